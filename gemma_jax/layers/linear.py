@@ -1,0 +1,45 @@
+"""A projection with named kernel axes: contracts x's trailing dims with a kernel."""
+
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+class Linear(nn.Module):
+  """y = x . kernel (+ bias), the kernel shaped in_shape + out_shape.
+
+  Attributes:
+    out_shape: trailing output dims, e.g. (N, H) for a query projection.
+    axes: logical names of the kernel's dims (input dims first), e.g.
+      ("embed", "heads", "head_dim").
+    in_dims: how many trailing dims of x are contracted (2 for [.., N, H] -> D).
+    use_bias: add a bias over the output dims.
+  """
+  out_shape: Sequence[int]
+  axes: Sequence[str]
+  in_dims: int = 1
+  use_bias: bool = False
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x: [..., *in_shape] -> [..., *out_shape]."""
+    in_shape = x.shape[x.ndim - self.in_dims:]
+    out_shape = tuple(self.out_shape)
+    rank = self.in_dims + len(out_shape)
+    init = nn.initializers.variance_scaling(
+        1.0, "fan_in", "truncated_normal",
+        in_axis=tuple(range(self.in_dims)), out_axis=tuple(range(self.in_dims, rank)))
+    kernel = self.param("kernel", nn.with_logical_partitioning(init, tuple(self.axes)),
+                        in_shape + out_shape, self.param_dtype)
+    contract = (tuple(range(x.ndim - self.in_dims, x.ndim)), tuple(range(self.in_dims)))
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype), (contract, ((), ())))
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(
+          nn.initializers.zeros_init(), tuple(self.axes[self.in_dims:])), out_shape,
+                        self.param_dtype)
+      y = y + bias.astype(self.dtype)
+    return y

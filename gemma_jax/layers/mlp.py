@@ -1,0 +1,34 @@
+"""The gated MLP: down(act(gate(x)) * up(x))."""
+
+import flax.linen as nn
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+
+from gemma_jax.layers.linear import Linear
+
+ACTIVATIONS = {
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+    "relu": jax.nn.relu,
+}
+
+
+class GatedMlp(nn.Module):
+  """[B, T, D] -> [B, T, D] through a gated hidden layer of width F."""
+  mlp_dim: int
+  activation: str = "gelu_tanh"
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dense = lambda shape, axes, name: Linear(shape, axes, dtype=self.dtype,
+                                             param_dtype=self.param_dtype, name=name)
+    gate = checkpoint_name(dense((self.mlp_dim,), ("embed", "mlp"), "gate")(x), "mlpwi_0")
+    up = checkpoint_name(dense((self.mlp_dim,), ("embed", "mlp"), "up")(x), "mlpwi_1")
+    hidden = ACTIVATIONS[self.activation](gate) * up
+    hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))
+    out = dense((x.shape[-1],), ("mlp", "embed"), "down")(hidden)
+    return checkpoint_name(out, "mlpwo")

@@ -1,0 +1,1 @@
+"""Model families: how each family wires its layer from gemma_jax.layers."""

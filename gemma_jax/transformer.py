@@ -1,0 +1,98 @@
+"""The whole model as two pure functions: `transform(config) -> Transformed(init, apply)`.
+
+    model = gemma_jax.transform(config)
+    params = model.init(jax.random.key(0), tokens)     # a plain pytree of arrays
+    logits = model.apply(params, tokens)               # [B, T, V] float32
+
+Both work under jax.jit, jax.grad and jax.vmap. Parameters carry logical axis names
+at init time (see `gemma_jax.sharding`); `init` returns them unboxed.
+"""
+
+from typing import Callable, NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax import config as config_lib
+from gemma_jax.decoder import Decoder
+
+
+class Transformed(NamedTuple):
+  """A model as pure functions: init(rng, tokens) -> params; apply(params, tokens) -> logits."""
+  init: Callable
+  apply: Callable
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+  """[B, T] document ids of packed rows -> [B, T] positions restarting at each document."""
+  index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+  starts = jnp.where(
+      jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                       segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1), index, 0)
+  return index - jax.lax.cummax(starts, axis=1)
+
+
+def _check_tokens(tokens, vocab_size: int, name: str = "tokens"):
+  """Shape and dtype checks always; value checks when the ids are concrete."""
+  if tokens.ndim != 2:
+    raise ValueError(f"{name} must be [batch, length], got shape {tokens.shape}")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must hold integer token ids, got dtype {tokens.dtype}")
+  if not isinstance(tokens, jax.core.Tracer):
+    values = np.asarray(tokens)
+    bad = (values < 0) | (values >= vocab_size)
+    if bad.any():
+      row, col = np.argwhere(bad)[0]
+      raise ValueError(f"{name}[{row}, {col}] = {values[row, col]} is outside the "
+                       f"vocabulary [0, {vocab_size})")
+
+
+def _check_same_shape(tokens, value, name):
+  if value is not None and tuple(value.shape) != tuple(tokens.shape):
+    raise ValueError(f"{name} must have the shape of tokens {tokens.shape}, got {value.shape}")
+
+
+def transform(config: config_dict.ConfigDict) -> Transformed:
+  """Validates `config` and returns the model's pure `init` and `apply`."""
+  config_lib.validate(config)
+  model_config = config_dict.FrozenConfigDict(config.model)
+
+  def module(deterministic: bool) -> Decoder:
+    return Decoder(model_config, deterministic=deterministic)
+
+  def inputs(tokens, positions, segment_ids):
+    _check_tokens(tokens, model_config.vocab_size)
+    _check_same_shape(tokens, positions, "positions")
+    _check_same_shape(tokens, segment_ids, "segment_ids")
+    if segment_ids is None:
+      segment_ids = jnp.ones_like(tokens)
+    if positions is None:
+      positions = positions_from_segments(segment_ids)
+    return tokens, positions, segment_ids
+
+  def init(rng: jax.Array, tokens: jax.Array, *, positions=None, segment_ids=None) -> dict:
+    """rng: a PRNG key; tokens: [B, T] ids (only their shape matters) -> params."""
+    variables = module(True).init(rng, *inputs(tokens, positions, segment_ids))
+    return nn.meta.unbox(variables["params"])
+
+  def apply(params: dict, tokens: jax.Array, *, positions: Optional[jax.Array] = None,
+            segment_ids: Optional[jax.Array] = None,
+            rng: Optional[jax.Array] = None) -> jax.Array:
+    """Logits [B, T, V] float32 for tokens [B, T].
+
+    Args:
+      params: from `init` (or `gemma_jax.hf.load`).
+      tokens: [B, T] int token ids.
+      positions: [B, T] RoPE positions; default: index within each segment.
+      segment_ids: [B, T] document ids of packed rows (0 for padding); default: one
+        document per row.
+      rng: a PRNG key enables dropout; None runs deterministically.
+    """
+    rngs = None if rng is None else {"dropout": rng}
+    return module(rng is None).apply({"params": params},
+                                     *inputs(tokens, positions, segment_ids), rngs=rngs)
+
+  return Transformed(init, apply)
