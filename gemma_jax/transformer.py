@@ -4,7 +4,8 @@
     params = model.init(jax.random.key(0), tokens)     # a plain pytree of arrays
     logits = model.apply(params, tokens)               # [B, T, V] float32
 
-Both work under jax.jit, jax.grad and jax.vmap. Parameters carry logical axis names
+Both are jitted (compiled once per input shape) and compose with jax.jit, jax.grad
+and jax.vmap. Parameters carry logical axis names
 at init time (see `gemma_jax.sharding`); `init` returns them unboxed.
 """
 
@@ -73,10 +74,19 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
       positions = positions_from_segments(segment_ids)
     return tokens, positions, segment_ids
 
+  @jax.jit
+  def _init(rng, tokens, positions, segment_ids):
+    return nn.meta.unbox(module(True).init(rng, tokens, positions, segment_ids)["params"])
+
+  @jax.jit
+  def _apply(params, tokens, positions, segment_ids, rng):
+    rngs = None if rng is None else {"dropout": rng}
+    return module(rng is None).apply({"params": params}, tokens, positions, segment_ids,
+                                     rngs=rngs)
+
   def init(rng: jax.Array, tokens: jax.Array, *, positions=None, segment_ids=None) -> dict:
     """rng: a PRNG key; tokens: [B, T] ids (only their shape matters) -> params."""
-    variables = module(True).init(rng, *inputs(tokens, positions, segment_ids))
-    return nn.meta.unbox(variables["params"])
+    return _init(rng, *inputs(tokens, positions, segment_ids))
 
   def apply(params: dict, tokens: jax.Array, *, positions: Optional[jax.Array] = None,
             segment_ids: Optional[jax.Array] = None,
@@ -91,8 +101,6 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
         document per row.
       rng: a PRNG key enables dropout; None runs deterministically.
     """
-    rngs = None if rng is None else {"dropout": rng}
-    return module(rng is None).apply({"params": params},
-                                     *inputs(tokens, positions, segment_ids), rngs=rngs)
+    return _apply(params, *inputs(tokens, positions, segment_ids), rng)
 
   return Transformed(init, apply)

@@ -31,7 +31,7 @@ class Linear(nn.Module):
     out_shape = tuple(self.out_shape)
     rank = self.in_dims + len(out_shape)
     init = nn.initializers.variance_scaling(
-        1.0, "fan_in", "truncated_normal",
+        1.0, "fan_in", "normal",
         in_axis=tuple(range(self.in_dims)), out_axis=tuple(range(self.in_dims, rank)))
     kernel = self.param("kernel", nn.with_logical_partitioning(init, tuple(self.axes)),
                         in_shape + out_shape, self.param_dtype)

@@ -1,0 +1,71 @@
+"""The config schema: locked fields, presets that validate, and named errors."""
+
+import pytest
+
+import gemma_jax as gj
+from gemma_jax import config as config_lib
+
+
+def test_locked_config_rejects_misspelt_field():
+  config = gj.get_config("gemma3-tiny")
+  with pytest.raises(AttributeError, match="num_layer"):
+    config.model.num_layer = 3
+  with pytest.raises(AttributeError, match="lerning_rate"):
+    config.lerning_rate = 1.0
+
+
+def test_field_types_are_enforced():
+  config = gj.get_config("gemma3-tiny")
+  with pytest.raises(TypeError):
+    config.model.num_layers = "six"
+
+
+@pytest.mark.parametrize("name", sorted(gj.PRESETS))
+def test_every_preset_validates(name):
+  config = gj.get_config(name)
+  assert gj.validate(config) is config
+  assert config.model.name == name
+
+
+def test_unknown_preset_lists_known_ones():
+  with pytest.raises(ValueError, match="gemma3-1b"):
+    gj.get_config("gemma3-2b")
+
+
+INVALID = [
+    ("num_kv_heads", 3, "model.num_kv_heads", "not divisible"),
+    ("d_model", 0, "model.d_model", "positive"),
+    ("mlp_dim", -4, "model.mlp_dim", "positive"),
+    ("sliding_window", 0, "model.sliding_window", "positive"),
+    ("block_type", "llama", "model.block_type", "unknown block type"),
+    ("activation", "swish3", "model.activation", "unknown activation"),
+    ("remat_policy", "most", "model.remat_policy", "unknown remat policy"),
+    ("dtype", "float8", "model.dtype", "unknown dtype"),
+    ("param_dtype", "int8", "model.param_dtype", "unknown dtype"),
+    ("rope_global_fraction", 0.0, "model.rope_global_fraction", r"\(0, 1\]"),
+    ("rope_local_fraction", 1.5, "model.rope_local_fraction", r"\(0, 1\]"),
+    ("attention_pattern", ("local", "sliding"), "model.attention_pattern",
+     "unknown attention type"),
+    ("attention_pattern", (), "model.attention_pattern", "empty"),
+    ("head_dim", 31, "model.head_dim", "even"),
+    ("final_logit_softcap", -1.0, "model.final_logit_softcap", "positive"),
+    ("dropout_rate", 1.0, "model.dropout_rate", r"\[0, 1\)"),
+    ("norm_eps", 0.0, "model.norm_eps", "positive"),
+]
+
+
+@pytest.mark.parametrize("field,value,name,message", INVALID)
+def test_invalid_config_names_its_field(field, value, name, message):
+  config = gj.get_config("gemma3-tiny")
+  config.model[field] = value
+  with pytest.raises(config_lib.ConfigError, match=message) as error:
+    gj.validate(config)
+  assert error.value.field == name
+  assert str(error.value).startswith(f"config.{name}:")
+
+
+def test_transform_validates_before_building():
+  config = gj.get_config("gemma3-tiny")
+  config.model.num_heads = 5
+  with pytest.raises(config_lib.ConfigError, match="num_kv_heads"):
+    gj.transform(config)

@@ -1,0 +1,164 @@
+"""transformers interop: logits of loaded checkpoints, the save round trip, errors."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import torch as st_torch
+
+import gemma_jax as gj
+from gemma_jax import safetensors_io
+
+VOCAB = 128
+BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_attention_heads=4,
+            head_dim=16, rms_norm_eps=1e-6)
+
+# Each shape exercises one thing the issue names; all run 23-token sequences.
+SHAPES = {
+    "8_layers_gqa_window_5": dict(num_hidden_layers=8, num_key_value_heads=2, sliding_window=5),
+    "7_layers_mqa": dict(num_hidden_layers=7, num_key_value_heads=1, sliding_window=9),
+    "mha_query_scalar_24": dict(num_hidden_layers=6, num_key_value_heads=4, sliding_window=64,
+                                query_pre_attn_scalar=24),
+    "13_layers_linear_rope_softcap": dict(
+        num_hidden_layers=13, num_key_value_heads=2, sliding_window=4,
+        final_logit_softcapping=3.0,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 10_000.0}}),
+}
+
+
+def random_model(seed, **shape):
+  """A tiny transformers Gemma 3 with every weight random, norm scales included."""
+  torch.manual_seed(seed)
+  model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**BASE, **shape))
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "norm" in name:
+        p.normal_(0.0, 0.5)
+  return model.eval()
+
+
+def torch_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.as_tensor(np.asarray(tokens))).logits.numpy()
+
+
+def token_batch(b=2, t=23, seed=0):
+  return np.random.RandomState(seed).randint(0, VOCAB, (b, t)).astype(np.int32)
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
+def checkpoint(request, tmp_path_factory):
+  model = random_model(len(request.param), **SHAPES[request.param])
+  path = str(tmp_path_factory.mktemp(request.param))
+  model.save_pretrained(path)
+  return model, path
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_loaded_logits_match_transformers(checkpoint, scan_layers):
+  model, path = checkpoint
+  config, params = gj.hf.load(path, scan_layers=scan_layers)
+  tokens = token_batch()
+  ours = gj.transform(config).apply(params, jnp.asarray(tokens))
+  assert np.abs(np.asarray(ours) - torch_logits(model, tokens)).max() <= 1e-4
+
+
+def test_packed_segments_equal_separate_documents(checkpoint):
+  """A row packing two documents gives each the logits transformers gives it alone."""
+  model, path = checkpoint
+  config, params = gj.hf.load(path)
+  doc_a, doc_b = token_batch(1, 9, seed=1), token_batch(1, 14, seed=2)
+  packed = np.concatenate([doc_a, doc_b], axis=1)
+  segments = np.array([[1] * 9 + [2] * 14], np.int32)
+  ours = np.asarray(gj.transform(config).apply(params, jnp.asarray(packed),
+                                               segment_ids=jnp.asarray(segments)))
+  expected = np.concatenate([torch_logits(model, doc_a), torch_logits(model, doc_b)], axis=1)
+  assert np.abs(ours - expected).max() <= 1e-4
+
+
+def test_save_round_trip_through_transformers(checkpoint, tmp_path):
+  model, path = checkpoint
+  config, params = gj.hf.load(path)
+  out = str(tmp_path / "saved")
+  gj.hf.save(out, config, params)
+  reloaded = transformers.Gemma3ForCausalLM.from_pretrained(out).eval()
+  tokens = token_batch()
+  np.testing.assert_array_equal(torch_logits(reloaded, tokens), torch_logits(model, tokens))
+
+
+def test_text_part_of_conditional_generation_checkpoint(tmp_path):
+  text = dict(BASE, num_hidden_layers=7, num_key_value_heads=2, sliding_window=6)
+  vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, image_size=28, patch_size=14)
+  torch.manual_seed(3)
+  model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+      text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB - 1,
+      boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2)).eval()
+  model.save_pretrained(str(tmp_path))
+  config, params = gj.hf.load(str(tmp_path))
+  tokens = token_batch(t=15) % (VOCAB - 3)          # text only: no image markers
+  ours = gj.transform(config).apply(params, jnp.asarray(tokens))
+  assert np.abs(np.asarray(ours) - torch_logits(model, tokens)).max() <= 1e-4
+
+
+def test_bfloat16_checkpoint_loads(tmp_path):
+  model = random_model(5, num_hidden_layers=2, num_key_value_heads=2, sliding_window=8)
+  model.to(torch.bfloat16).save_pretrained(str(tmp_path))
+  config, params = gj.hf.load(str(tmp_path))
+  expected = model.model.embed_tokens.weight.detach().float().numpy()
+  np.testing.assert_array_equal(params["embed"]["embedding"], expected)
+  assert params["embed"]["embedding"].dtype == np.float32
+
+
+def _edit_checkpoint(path, edit):
+  file = os.path.join(path, "model.safetensors")
+  tensors = st_torch.load_file(file)
+  edit(tensors)
+  st_torch.save_file(tensors, file, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+     r"missing tensors: \['layers.1.mlp.up_proj.weight'\]"),
+    (lambda t: t.update({"model.layers.9.extra.weight": torch.zeros(3)}),
+     r"unexpected tensors: \['layers.9.extra.weight'\]"),
+    (lambda t: t.update({"model.norm.weight": torch.zeros(47)}),
+     r"norm.weight: \(47,\) != expected \(48,\)"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(60, 48)}),
+     r"layers.0.self_attn.q_proj.weight: \(60, 48\) does not fit"),
+])
+def test_bad_checkpoint_names_offending_tensors(tmp_path, edit, message):
+  random_model(0, num_hidden_layers=2, num_key_value_heads=2).save_pretrained(str(tmp_path))
+  _edit_checkpoint(str(tmp_path), edit)
+  with pytest.raises(gj.hf.CheckpointError, match=message):
+    gj.hf.load(str(tmp_path))
+
+
+def test_unsupported_config_is_named(tmp_path):
+  random_model(0, num_hidden_layers=2, num_key_value_heads=2).save_pretrained(str(tmp_path))
+  with open(tmp_path / "config.json") as f:
+    config = json.load(f)
+  config["model_type"] = "llama"
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(config, f)
+  with pytest.raises(gj.hf.CheckpointError, match="model_type 'llama'"):
+    gj.hf.load(str(tmp_path))
+
+
+def test_safetensors_io_agrees_with_the_safetensors_package(tmp_path):
+  tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
+             "c": torch.randn(2, 2, 2)}
+  st_torch.save_file(tensors, str(tmp_path / "theirs.safetensors"))
+  ours = safetensors_io.read(str(tmp_path / "theirs.safetensors"))
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(np.asarray(ours[name], np.float64), value.double().numpy())
+  safetensors_io.write(str(tmp_path / "ours.safetensors"), ours)
+  back = st_torch.load_file(str(tmp_path / "ours.safetensors"))
+  for name, value in tensors.items():
+    assert torch.equal(back[name], value)

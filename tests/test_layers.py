@@ -1,0 +1,199 @@
+"""Shared layers against float64 numpy re-computations, jitted and not."""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+
+from gemma_jax.layers import attention as attention_lib
+from gemma_jax.layers.mlp import GatedMlp
+from gemma_jax.layers.norms import RMSNorm
+from gemma_jax.layers.rope import apply_rope
+
+
+def np_rms_norm(x, scale, eps):
+  x = np.asarray(x, np.float64)
+  return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * (1 + scale)
+
+
+def np_rope(x, positions, base, scale=1.0, fraction=1.0):
+  """Rotation of pairs (i, i + H/2) by positions * base^(-2i/H) / scale, for i < f*H/2."""
+  x = np.asarray(x, np.float64)
+  h = x.shape[-1]
+  out = x.copy()
+  for i in range(int(fraction * h // 2)):
+    theta = positions[..., None] * base ** (-2.0 * i / h) / scale      # [B, T, 1]
+    a, b = x[..., i], x[..., i + h // 2]
+    out[..., i] = a * np.cos(theta[..., 0])[..., None] - b * np.sin(theta[..., 0])[..., None]
+    out[..., i + h // 2] = b * np.cos(theta[..., 0])[..., None] + a * np.sin(theta[..., 0])[..., None]
+  return out
+
+
+def np_gelu_tanh(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def np_mask(t, segments, window=None, spans=None):
+  b = segments.shape[0]
+  mask = np.zeros((b, t, t), bool)
+  for r in range(b):
+    for q in range(t):
+      for k in range(t):
+        ok = k <= q and (window is None or q - k < window)
+        if spans is not None and spans[r, q] > 0 and spans[r, q] == spans[r, k]:
+          ok = True
+        mask[r, q, k] = ok and segments[r, q] == segments[r, k]
+  return mask
+
+
+def np_attention(q, k, v, mask, softcap=None):
+  """q [B,T,N,H] (scaled), k, v [B,S,K,H] in float64 with explicit head grouping."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  n, kv = q.shape[2], k.shape[2]
+  out = np.zeros_like(q)
+  for head in range(n):
+    g = head // (n // kv)
+    logits = np.einsum("bth,bsh->bts", q[:, :, head], k[:, :, g])
+    if softcap is not None:
+      logits = softcap * np.tanh(logits / softcap)
+    logits = np.where(mask, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out[:, :, head] = np.einsum("bts,bsh->bth", p, v[:, :, g])
+  return out
+
+
+class RMSNormTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_matches_float64(self):
+    x = jax.random.normal(jax.random.key(0), (2, 5, 16)) * 3
+    norm = RMSNorm(eps=1e-6)
+    params = nn.meta.unbox(norm.init(jax.random.key(1), x))
+    chex.assert_trees_all_equal(params["params"]["scale"], jnp.zeros(16))
+    scale = jax.random.normal(jax.random.key(2), (16,))
+    y = self.variant(norm.apply)({"params": {"scale": scale}}, x)
+    chex.assert_shape(y, (2, 5, 16))
+    np.testing.assert_allclose(y, np_rms_norm(x, np.asarray(scale), 1e-6), rtol=1e-5, atol=1e-6)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_without_scale_has_no_params_and_keeps_dtype(self):
+    x = jax.random.normal(jax.random.key(0), (3, 8)).astype(jnp.bfloat16)
+    norm = RMSNorm(with_scale=False)
+    params = norm.init(jax.random.key(1), x)
+    self.assertEqual(jax.tree_util.tree_leaves(params), [])
+    y = self.variant(norm.apply)(params, x)
+    self.assertEqual(y.dtype, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(y, np.float32),
+                               np_rms_norm(np.asarray(x, np.float32), 0.0, 1e-6), rtol=2e-2)
+
+
+class RopeTest(chex.TestCase, parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters((10_000.0, 1.0, 1.0), (1e6, 8.0, 1.0), (1e6, 1.0, 0.25),
+                            (10_000.0, 2.0, 0.5))
+  def test_matches_float64(self, base, scale, fraction):
+    x = jax.random.normal(jax.random.key(0), (2, 7, 3, 16))
+    positions = jnp.array([np.arange(7), np.arange(7) * 13 + 5])
+    y = self.variant(lambda x, p: apply_rope(x, p, base=base, scale=scale, fraction=fraction))(
+        x, positions)
+    chex.assert_shape(y, x.shape)
+    np.testing.assert_allclose(y, np_rope(x, np.asarray(positions), base, scale, fraction),
+                               rtol=1e-4, atol=1e-4)
+
+  def test_relative_positions_only(self):
+    """q.k after RoPE depends on the position difference alone."""
+    q = jax.random.normal(jax.random.key(0), (1, 1, 1, 8))
+    k = jax.random.normal(jax.random.key(1), (1, 1, 1, 8))
+    dot = lambda pq, pk: jnp.sum(apply_rope(q, jnp.array([[pq]]), base=100.0) *
+                                 apply_rope(k, jnp.array([[pk]]), base=100.0))
+    np.testing.assert_allclose(dot(3, 1), dot(10, 8), rtol=1e-5)
+
+
+class MaskTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_causal_window_segments_spans(self):
+    t = 9
+    segments = np.array([[1] * 5 + [2] * 4, [1] * 9])
+    spans = np.array([[0] * 9, [0, 0, 3, 3, 3, 0, 0, 0, 0]])
+    index = np.broadcast_to(np.arange(t), (2, t))
+    fn = self.variant(lambda s, w, sp: attention_lib.attention_mask(
+        index, index, s, s, window=w, q_spans=sp, kv_spans=sp), static_argnums=1)
+    for window in (None, 3):
+      got = fn(segments, window, spans)
+      chex.assert_shape(got, (2, t, t))
+      np.testing.assert_array_equal(got, np_mask(t, segments, window, spans))
+
+  def test_span_is_bidirectional_and_text_before_does_not_see_it(self):
+    index = np.arange(6)[None]
+    spans = np.array([[0, 7, 7, 7, 0, 0]])
+    mask = np.asarray(attention_lib.attention_mask(index, index, np.ones((1, 6)),
+                                                   np.ones((1, 6)), q_spans=spans,
+                                                   kv_spans=spans))[0]
+    self.assertTrue(mask[1, 3] and mask[3, 1])          # image tokens see each other
+    self.assertTrue(mask[5, 2])                         # text after the image sees it
+    self.assertFalse(mask[0, 1])                        # text before it does not
+
+
+class AttentionTest(chex.TestCase, parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters((4, 4, None), (4, 2, None), (4, 1, 5.0))   # MHA, GQA, MQA
+  def test_dot_product_attention_matches_float64(self, n, kv, cap):
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, 6, n, 8))
+    k = jax.random.normal(keys[1], (2, 6, kv, 8))
+    v = jax.random.normal(keys[2], (2, 6, kv, 8))
+    segments = np.array([[1, 1, 1, 2, 2, 2], [1] * 6])
+    index = np.broadcast_to(np.arange(6), (2, 6))
+    mask = attention_lib.attention_mask(index, index, segments, segments, window=2)
+    out = self.variant(lambda *a: attention_lib.dot_product_attention(*a, cap))(q, k, v, mask)
+    chex.assert_shape(out, (2, 6, n, 8))
+    np.testing.assert_allclose(out, np_attention(q, k, v, np.asarray(mask), cap),
+                               rtol=1e-5, atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_module_matches_float64(self):
+    b, t, d, n, kv, h = 2, 5, 12, 4, 2, 8
+    module = attention_lib.Attention(num_heads=n, num_kv_heads=kv, head_dim=h,
+                                     query_scale=0.3, rope_base=100.0, rope_scale=2.0)
+    x = jax.random.normal(jax.random.key(0), (b, t, d))
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    params = nn.meta.unbox(module.init(jax.random.key(1), x, positions, mask)["params"])
+    params = jax.tree_util.tree_map(lambda a: a + 0.1 * jax.random.normal(
+        jax.random.key(2), a.shape), params)                   # non-trivial norm scales
+    out = self.variant(lambda p, x: module.apply({"params": p}, x, positions, mask))(params, x)
+    chex.assert_shape(out, (b, t, d))
+
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    x64 = np.asarray(x, np.float64)
+    q = np.einsum("btd,dnh->btnh", x64, p["q"]["kernel"])
+    k = np.einsum("btd,dnh->btnh", x64, p["k"]["kernel"])
+    v = np.einsum("btd,dnh->btnh", x64, p["v"]["kernel"])
+    q = np_rms_norm(q, p["q_norm"]["scale"], 1e-6)
+    k = np_rms_norm(k, p["k_norm"]["scale"], 1e-6)
+    pos = np.asarray(positions, np.float64)
+    q, k = np_rope(q, pos, 100.0, 2.0) * 0.3, np_rope(k, pos, 100.0, 2.0)
+    ctx = np_attention(q, k, v, np.asarray(mask))
+    expected = np.einsum("btnh,nhd->btd", ctx, p["out"]["kernel"])
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+
+
+class MlpTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_gated_gelu_matches_float64(self):
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    mlp = GatedMlp(mlp_dim=16)
+    params = nn.meta.unbox(mlp.init(jax.random.key(1), x)["params"])
+    out = self.variant(mlp.apply)({"params": params}, x)
+    chex.assert_shape(out, (2, 3, 8))
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), params)
+    x64 = np.asarray(x, np.float64)
+    hidden = np_gelu_tanh(x64 @ p["gate"]["kernel"]) * (x64 @ p["up"]["kernel"])
+    np.testing.assert_allclose(out, hidden @ p["down"]["kernel"], rtol=1e-5, atol=1e-6)

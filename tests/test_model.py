@@ -1,0 +1,142 @@
+"""The whole model: pure transforms, scan vs unrolled, remat policies, inputs."""
+
+import chex
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+import gemma_jax as gj
+from gemma_jax import decoder, remat
+from gemma_jax.transformer import positions_from_segments
+
+
+def tiny(**overrides):
+  config = gj.get_config("gemma3-tiny")
+  config.model.update(dict(vocab_size=97, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                           mlp_dim=48, num_layers=8, sliding_window=4))
+  config.model.update(overrides)
+  return config
+
+
+def tokens(b=2, t=11, vocab=97, seed=0):
+  return jnp.asarray(np.random.RandomState(seed).randint(0, vocab, (b, t)), jnp.int32)
+
+
+def loss_fn(model, toks):
+  def loss(params):
+    logits = model.apply(params, toks)
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * jnp.arange(toks.shape[1]))
+  return loss
+
+
+class TransformTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_init_and_apply_shapes(self):
+    model = gj.transform(tiny())
+    toks = tokens()
+    params = self.variant(model.init)(jax.random.key(0), toks)
+    logits = self.variant(model.apply)(params, toks)
+    chex.assert_shape(logits, (2, 11, 97))
+    self.assertEqual(logits.dtype, jnp.float32)
+    chex.assert_tree_all_finite(logits)
+    # 8 layers, pattern of 6: one scanned block and two unscanned layers.
+    self.assertEqual(sorted(params), ["blocks", "embed", "final_norm", "layers_6", "layers_7"])
+    chex.assert_shape(params["blocks"]["layer_5"]["attn"]["q"]["kernel"], (1, 32, 4, 8))
+
+  def test_pure_under_grad_and_vmap(self):
+    model = gj.transform(tiny())
+    toks = tokens()
+    params = model.init(jax.random.key(0), toks)
+    grads = jax.jit(jax.grad(loss_fn(model, toks)))(params)
+    chex.assert_trees_all_equal_shapes(grads, params)
+    self.assertGreater(float(jnp.abs(grads["embed"]["embedding"]).sum()), 0.0)
+    per_row = jax.vmap(lambda t: model.apply(params, t[None])[0])(toks)
+    np.testing.assert_allclose(per_row, model.apply(params, toks), rtol=1e-5, atol=1e-5)
+
+  def test_every_parameter_has_logical_axes(self):
+    config = tiny()
+    module = decoder.Decoder(ml_collections.FrozenConfigDict(config.model))
+    boxed = jax.eval_shape(module.init, jax.random.key(0), tokens(), tokens(),
+                           jnp.ones((2, 11), jnp.int32))
+    for path, leaf in flax.traverse_util.flatten_dict(boxed["params"]).items():
+      assert isinstance(leaf, nn.LogicallyPartitioned), path
+      assert len(leaf.names) == leaf.value.ndim, path
+      if path[0] == "blocks":
+        assert leaf.names[0] == "layers", path
+
+
+class ScanTest(chex.TestCase):
+
+  def test_scanned_equals_unrolled_logits_and_grads(self):
+    scanned, unrolled = tiny(num_layers=13), tiny(num_layers=13, scan_layers=False)
+    toks = tokens()
+    params = gj.transform(scanned).init(jax.random.key(0), toks)
+    flat = decoder.unstack_layers(params, scanned.model)
+    self.assertEqual(len([k for k in flat if k.startswith("layers_")]), 13)
+    m_scan, m_unroll = gj.transform(scanned), gj.transform(unrolled)
+    np.testing.assert_allclose(m_scan.apply(params, toks), m_unroll.apply(flat, toks),
+                               rtol=1e-5, atol=1e-5)
+    g_scan = decoder.unstack_layers(jax.grad(loss_fn(m_scan, toks))(params), scanned.model)
+    g_unroll = jax.grad(loss_fn(m_unroll, toks))(flat)
+    chex.assert_trees_all_close(g_scan, g_unroll, rtol=1e-4, atol=1e-4)
+
+  def test_stack_inverts_unstack(self):
+    config = tiny(num_layers=13)
+    params = gj.transform(config).init(jax.random.key(0), tokens())
+    again = decoder.stack_layers(decoder.unstack_layers(params, config.model), config.model)
+    chex.assert_trees_all_equal(again, params)
+
+
+@pytest.fixture(scope="module")
+def remat_reference():
+  """Loss and grads without remat on 7 layers: one scanned block and one unscanned layer."""
+  toks = tokens()
+  model = gj.transform(tiny(num_layers=7))
+  params = model.init(jax.random.key(0), toks)
+  return toks, params, jax.jit(jax.value_and_grad(loss_fn(model, toks)))(params)
+
+
+@pytest.mark.parametrize("policy", sorted(p for p in remat.POLICIES if p != "none"))
+def test_remat_policy_keeps_loss_and_grads(policy, remat_reference):
+  toks, params, (loss, grads) = remat_reference
+  model = gj.transform(tiny(num_layers=7, remat_policy=policy))
+  remat_loss, remat_grads = jax.jit(jax.value_and_grad(loss_fn(model, toks)))(params)
+  np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+  chex.assert_trees_all_close(remat_grads, grads, rtol=1e-4, atol=1e-5)
+
+
+class InputsTest(chex.TestCase):
+
+  def test_positions_restart_per_segment(self):
+    segments = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0], [4, 4, 4, 4, 4, 4, 4, 4]])
+    np.testing.assert_array_equal(positions_from_segments(segments),
+                                  [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
+
+  def test_dropout_needs_rng_and_is_seeded(self):
+    model = gj.transform(tiny(dropout_rate=0.5))
+    toks = tokens()
+    params = model.init(jax.random.key(0), toks)
+    a = model.apply(params, toks, rng=jax.random.key(1))
+    b = model.apply(params, toks, rng=jax.random.key(1))
+    c = model.apply(params, toks, rng=jax.random.key(2))
+    np.testing.assert_array_equal(a, b)
+    self.assertGreater(float(jnp.abs(a - c).max()), 1e-3)
+    self.assertGreater(float(jnp.abs(a - model.apply(params, toks)).max()), 1e-3)
+
+  def test_bad_inputs_raise_named_errors(self):
+    model = gj.transform(tiny())
+    toks = tokens()
+    params = model.init(jax.random.key(0), toks)
+    with pytest.raises(ValueError, match=r"tokens\[1, 3\] = 97 is outside the vocabulary"):
+      model.apply(params, toks.at[1, 3].set(97))
+    with pytest.raises(ValueError, match="integer token ids"):
+      model.apply(params, toks.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"\[batch, length\]"):
+      model.apply(params, toks[0])
+    with pytest.raises(ValueError, match="segment_ids must have the shape"):
+      model.apply(params, toks, segment_ids=jnp.ones((2, 5), jnp.int32))
