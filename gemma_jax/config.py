@@ -6,6 +6,8 @@ default. `validate(config)` checks consistency before anything is traced or comp
 and raises `ConfigError` naming the offending field.
 """
 
+import re
+
 from ml_collections import config_dict
 
 from gemma_jax import remat
@@ -62,11 +64,76 @@ def model_config() -> config_dict.ConfigDict:
   c.remat_policy = "none"                 # name from gemma_jax.remat.POLICIES
   return c
 
+def data_config() -> config_dict.ConfigDict:
+  """Where the text comes from and how it becomes packed rows of tokens."""
+  c = config_dict.ConfigDict()
+  # Comma-separated globs of .txt/.jsonl files; None: the Python standard library source.
+  c.path = config_dict.placeholder(str)
+  c.text_field = "text"                   # key of a document's text in each JSONL line
+  c.tokenizer = "byte"                    # "byte", or the path of a SentencePiece .model
+  c.seq_len = 256                         # T, tokens in one packed row
+  c.eval_fraction = 0.01                  # fraction of the tokens held out for eval
+  return c
+
+
+def optimizer_config() -> config_dict.ConfigDict:
+  """AdamW with linear warmup, cosine decay and global-norm clipping."""
+  c = config_dict.ConfigDict()
+  c.learning_rate = 1e-3                  # peak learning rate, reached after warmup
+  c.warmup_steps = 100                    # linear warmup from 0 over these steps
+  c.decay_steps = config_dict.placeholder(int)   # cosine horizon; None: train.steps
+  c.end_learning_rate_ratio = 0.1         # the cosine ends at learning_rate * this
+  c.b1 = 0.9                              # Adam first-moment decay
+  c.b2 = 0.95                             # Adam second-moment decay
+  c.eps = 1e-8                            # Adam denominator epsilon
+  c.weight_decay = 0.1                    # decoupled weight decay
+  c.no_decay = ("norm",)                  # regexes on param paths ("final_norm/scale") not decayed
+  c.max_grad_norm = 1.0                   # clip gradients to this global norm; 0 disables
+  c.grad_accum_steps = 1                  # micro-batches per step (divides train.batch_size)
+  return c
+
+
+def train_config() -> config_dict.ConfigDict:
+  """The loop: length, batch, losses, evaluation and reporting."""
+  c = config_dict.ConfigDict()
+  c.steps = 1000                          # optimizer steps in the whole run
+  c.batch_size = 16                       # B, rows per step over all processes
+  c.z_loss = 0.0                          # weight of log(Z)^2 per token; 0 disables
+  c.log_every = 50                        # steps between log lines and metrics.jsonl records
+  c.eval_every = 200                      # steps between evaluations (and at the end); 0: end only
+  c.eval_batches = 8                      # batches of batch_size eval rows per evaluation
+  c.peak_flops = 0.0                      # device peak FLOP/s for MFU; 0: time a matmul
+  c.progress_bar = True                   # a progress bar with ETA on stderr
+  return c
+
+
+def checkpoint_config() -> config_dict.ConfigDict:
+  """Orbax checkpoints under workdir/checkpoints."""
+  c = config_dict.ConfigDict()
+  c.save_every = 500                      # steps between checkpoints (and always at the end)
+  c.keep = 3                              # most recent checkpoints kept
+  return c
+
+
+def sample_config() -> config_dict.ConfigDict:
+  """The sample generated at the end of training."""
+  c = config_dict.ConfigDict()
+  c.prompt = "def "                       # text the sample continues
+  c.max_new_tokens = 200                  # tokens generated; 0 skips the sample
+  c.temperature = 0.8                     # softmax temperature; 0 is greedy
+  c.top_k = 40                            # sample among the k likeliest tokens; 0: all
+  return c
+
 
 def default_config() -> config_dict.ConfigDict:
   """The whole experiment: the model and everything around it."""
   c = config_dict.ConfigDict()
   c.model = model_config()
+  c.data = data_config()
+  c.optimizer = optimizer_config()
+  c.train = train_config()
+  c.checkpoint = checkpoint_config()
+  c.sample = sample_config()
   c.seed = 0                              # seeds parameter init, data order, dropout
   c.lock()
   return c
@@ -111,4 +178,72 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
        f"must lie in [0, 1), got {m.dropout_rate}")
   need(m.remat_policy in remat.POLICIES, "remat_policy",
        f"unknown remat policy {m.remat_policy!r}; known: {tuple(remat.POLICIES)}")
+  _validate_training(config)
   return config
+
+
+def _validate_training(config: config_dict.ConfigDict) -> None:
+  """Raises ConfigError naming the first inconsistent data/optimizer/train/... field."""
+
+  def value(field):
+    section, name = field.split(".")
+    return config[section][name]
+
+  def need(ok, field, message):
+    if not ok:
+      raise ConfigError(field, message)
+
+  def integer(field, minimum):
+    v = value(field)
+    need(isinstance(v, int) and v >= minimum, field, f"must be an integer >= {minimum}, got {v!r}")
+
+  def number(field, interval):
+    """interval: "(0, 1)", "[0, inf)", ... with 0, 1 or inf as bounds."""
+    v = value(field)
+    low, high = (float(b) for b in interval[1:-1].split(", "))
+    above = v > low if interval[0] == "(" else v >= low
+    below = v < high if interval[-1] == ")" else v <= high
+    need(above and below, field, f"must lie in {interval}, got {v!r}")
+
+  need(config.data.path is None or config.data.path.strip(), "data.path",
+       "must name files, or be None for the standard library corpus")
+  need(bool(config.data.tokenizer), "data.tokenizer",
+       "must be 'byte' or the path of a SentencePiece model")
+  integer("data.seq_len", 2)
+  number("data.eval_fraction", "(0, 1)")
+
+  o = config.optimizer
+  number("optimizer.learning_rate", "(0, inf)")
+  integer("optimizer.warmup_steps", 0)
+  horizon_field = "optimizer.decay_steps" if o.decay_steps is not None else "train.steps"
+  need((o.decay_steps or config.train.steps) > o.warmup_steps, horizon_field,
+       f"must exceed optimizer.warmup_steps={o.warmup_steps}, got {value(horizon_field)}")
+  number("optimizer.end_learning_rate_ratio", "[0, 1]")
+  number("optimizer.b1", "[0, 1)")
+  number("optimizer.b2", "[0, 1)")
+  number("optimizer.eps", "(0, inf)")
+  number("optimizer.weight_decay", "[0, inf)")
+  number("optimizer.max_grad_norm", "[0, inf)")
+  for pattern in o.no_decay:
+    try:
+      re.compile(pattern)
+    except (re.error, TypeError) as error:
+      raise ConfigError("optimizer.no_decay", f"{pattern!r} is not a regex: {error}") from None
+  integer("optimizer.grad_accum_steps", 1)
+
+  integer("train.steps", 1)
+  integer("train.batch_size", 1)
+  need(config.train.batch_size % o.grad_accum_steps == 0, "optimizer.grad_accum_steps",
+       f"does not divide train.batch_size={config.train.batch_size}, got {o.grad_accum_steps}")
+  number("train.z_loss", "[0, inf)")
+  integer("train.log_every", 1)
+  integer("train.eval_every", 0)
+  integer("train.eval_batches", 1)
+  number("train.peak_flops", "[0, inf)")
+
+  integer("checkpoint.save_every", 1)
+  integer("checkpoint.keep", 1)
+
+  integer("sample.max_new_tokens", 0)
+  number("sample.temperature", "[0, inf)")
+  integer("sample.top_k", 0)

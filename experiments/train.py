@@ -1,0 +1,39 @@
+r"""Trains a model from a config file: the first command to run.
+
+    python experiments/train.py --config=configs/gemma3_tiny.py --workdir=runs/tiny
+    python experiments/train.py --config=configs/gemma3_tiny.py --workdir=runs/tiny \
+        --config.optimizer.learning_rate=3e-4 --config.data.path='books/*.txt'
+
+Resumes from the workdir's latest checkpoint. SIGTERM or Ctrl-C saves a checkpoint and
+exits cleanly. A bad config, missing data or a diverging loss ends with one error line.
+"""
+
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+from gemma_jax.config import ConfigError
+from gemma_jax.training import loop
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
+  try:
+    loop.train(_CONFIG.value, _WORKDIR.value)
+  except (ConfigError, loop.TrainingDiverged) as error:
+    sys.exit(f"train.py: error: {error}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,1 @@
+"""Inference: sampling from a trained model."""

@@ -1,0 +1,1 @@
+"""Training: data, tokenizers, optimizer, loss, steps, checkpoints, metrics, the loop."""

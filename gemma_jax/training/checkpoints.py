@@ -1,0 +1,56 @@
+"""orbax checkpoints of the train state and the data position, by step.
+
+A checkpoint `directory/<step>/` holds `state` (params, optimizer state, step and the
+dropout key, as arrays) and `data` (the data iterator's position, as JSON).
+"""
+
+from typing import Optional, Tuple
+
+import jax
+import orbax.checkpoint as ocp
+
+from gemma_jax.training.steps import TrainState
+
+
+def _to_arrays(state: TrainState) -> dict:
+  """The state as a dict of arrays; the typed PRNG key becomes its raw key data."""
+  return state._replace(rng=jax.random.key_data(state.rng))._asdict()
+
+
+class Checkpointer:
+  """Saves (TrainState, data position) every call, keeping the last `keep` steps."""
+
+  def __init__(self, directory: str, keep: int):
+    self._manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+
+  def latest_step(self) -> Optional[int]:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> Tuple[int, ...]:
+    return tuple(self._manager.all_steps())
+
+  def save(self, state: TrainState, data_state: dict) -> None:
+    """Saves at `state.step` (once: a step already saved is left as it is)."""
+    step = int(state.step)
+    if step in self._manager.all_steps():
+      return
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_to_arrays(state)), data=ocp.args.JsonSave(data_state)))
+
+  def restore(self, like: TrainState, step: Optional[int] = None) -> Tuple[TrainState, dict]:
+    """The state (structured like `like`, which may be abstract) and data position."""
+    step = self.latest_step() if step is None else step
+    abstract = jax.eval_shape(_to_arrays, like)
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+    arrays = restored["state"]
+    rng = jax.random.wrap_key_data(arrays["rng"])
+    return TrainState(**{**arrays, "rng": rng}), restored["data"]
+
+  def wait(self) -> None:
+    """Blocks until every save has been written."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()

@@ -1,0 +1,223 @@
+"""Documents -> token stream -> packed rows -> batches: deterministic and resumable.
+
+A batch is a dict of [B, T] arrays (B rows, T = data.seq_len):
+
+  tokens       int32 token ids (any valid id in padding)
+  segment_ids  int32 document id of each token, 0 for padding; a token attends only
+               to tokens of its own document
+  positions    int32 index of the token within its document's part of the row
+  targets      int32 the next token (meaningful where weights > 0)
+  weights      float32 1 where the target is the next token of the same document
+
+Documents are shuffled by the seed, split by token count into a held-out eval part
+and a train part, and each part is concatenated ([bos] doc [eos] [bos] doc ...) and
+cut into rows of T tokens, so rows hold several documents and documents may span
+rows; nothing is padded but the last row. Training batch i is a pure function of
+(seed, i): rows are read in a fresh permutation every epoch, and the iterator's
+state is just the index of the next batch. With several processes each one reads
+its own contiguous slice of every global batch.
+"""
+
+import dataclasses
+import glob
+import json
+import os
+import sysconfig
+from typing import Iterator, List, Optional
+
+from absl import logging
+import jax
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax.config import ConfigError
+
+
+class DataError(ConfigError):
+  """The data a config names is missing, empty or malformed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """Packed rows: tokens and segment_ids, both [R, T] int32."""
+  tokens: np.ndarray
+  segment_ids: np.ndarray
+
+  def __len__(self):
+    return self.tokens.shape[0]
+
+
+def stdlib_files() -> List[str]:
+  """The .py files of the running interpreter's standard library, sorted."""
+  root = sysconfig.get_paths()["stdlib"]
+  files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+  return sorted(f for f in files if "site-packages" not in os.path.relpath(f, root).split(os.sep))
+
+
+def _read_text(filename: str) -> str:
+  with open(filename, encoding="utf-8", errors="replace") as f:
+    return f.read()
+
+
+def _read_jsonl(filename: str, text_field: str) -> List[str]:
+  texts = []
+  with open(filename, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        texts.append(json.loads(line)[text_field])
+      except (json.JSONDecodeError, KeyError, TypeError):
+        raise DataError("data.text_field", f"{filename}:{line_number} is not a JSON object "
+                        f"with a {text_field!r} string") from None
+  return texts
+
+
+def read_documents(path: Optional[str], text_field: str = "text") -> List[str]:
+  """The non-empty documents of `path` (comma-separated globs; None: the stdlib source).
+
+  A .jsonl file holds one document per line (its `text_field`); any other file is one
+  document.
+  """
+  if path is None:
+    files = stdlib_files()
+  else:
+    patterns = [p.strip() for p in path.split(",") if p.strip()]
+    files = sorted({f for p in patterns for f in glob.glob(os.path.expanduser(p), recursive=True)
+                    if os.path.isfile(f)})
+    if not files:
+      raise DataError("data.path", f"no file matches {path!r}")
+  documents = []
+  for filename in files:
+    if filename.endswith(".jsonl"):
+      documents.extend(_read_jsonl(filename, text_field))
+    else:
+      documents.append(_read_text(filename))
+  documents = [d for d in documents if d.strip()]
+  if not documents:
+    raise DataError("data.path", f"the {len(files)} file(s) matching {path!r} hold no text")
+  return documents
+
+
+def concatenate(documents: List[np.ndarray], bos_id: int, eos_id: int):
+  """Token arrays -> (tokens [N], segment_ids [N]) of [bos] doc [eos] ..., ids from 1."""
+  tokens = np.concatenate([np.concatenate([[bos_id], d, [eos_id]]) for d in documents])
+  lengths = [len(d) + 2 for d in documents]
+  segment_ids = np.repeat(np.arange(1, len(documents) + 1), lengths)
+  return tokens.astype(np.int32), segment_ids.astype(np.int32)
+
+
+def pack(tokens: np.ndarray, segment_ids: np.ndarray, seq_len: int, pad_id: int) -> Rows:
+  """A stream [N] -> rows [ceil(N / T), T]; the last row is padded (segment id 0)."""
+  pad = -len(tokens) % seq_len
+  tokens = np.concatenate([tokens, np.full(pad, pad_id, np.int32)])
+  segment_ids = np.concatenate([segment_ids, np.zeros(pad, np.int32)])
+  return Rows(tokens.reshape(-1, seq_len), segment_ids.reshape(-1, seq_len))
+
+
+def make_batch(tokens: np.ndarray, segment_ids: np.ndarray) -> dict:
+  """tokens, segment_ids [B, T] -> the batch dict (see the module docstring)."""
+  b, t = tokens.shape
+  index = np.broadcast_to(np.arange(t), (b, t))
+  starts = np.ones((b, t), bool)
+  starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+  positions = index - np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+  same_document = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0)
+  targets = np.zeros_like(tokens)
+  targets[:, :-1] = np.where(same_document, tokens[:, 1:], 0)
+  weights = np.zeros((b, t), np.float32)
+  weights[:, :-1] = same_document
+  return dict(tokens=tokens.astype(np.int32), segment_ids=segment_ids.astype(np.int32),
+              positions=positions.astype(np.int32), targets=targets.astype(np.int32),
+              weights=weights)
+
+
+def load_splits(config: config_dict.ConfigDict, tokenizer, seed: int):
+  """(train Rows, eval Rows) for `config.data`, documents shuffled by `seed`."""
+  documents = tokenizer.encode(read_documents(config.path, config.text_field))
+  order = np.random.default_rng(seed).permutation(len(documents))
+  tokens, segment_ids = concatenate([documents[i] for i in order], tokenizer.bos_id,
+                                    tokenizer.eos_id)
+  n_eval = min(max(round(config.eval_fraction * len(tokens)), 1), len(tokens) - 1)
+  split = lambda part: pack(tokens[part], segment_ids[part], config.seq_len, tokenizer.pad_id)
+  return split(slice(n_eval, None)), split(slice(0, n_eval))
+
+
+def _process_slice(global_rows: np.ndarray, process_index: int, process_count: int):
+  """This process's contiguous share of a global batch's row indices."""
+  if len(global_rows) % process_count:
+    raise ConfigError("train.batch_size", f"{len(global_rows)} rows do not split over "
+                      f"{process_count} processes")
+  share = len(global_rows) // process_count
+  return global_rows[process_index * share:(process_index + 1) * share]
+
+
+class TrainBatches:
+  """Endless training batches; batch i is a pure function of (rows, seed, i).
+
+  The global batch i holds rows i * B ... (i + 1) * B - 1 of the endless sequence
+  that visits every row once per epoch, in a permutation seeded by (seed, epoch).
+  `state()` / `restore(state)` save and set the position.
+  """
+
+  def __init__(self, rows: Rows, batch_size: int, seed: int,
+               process_index: Optional[int] = None, process_count: Optional[int] = None):
+    self.rows, self.batch_size, self.seed = rows, batch_size, seed
+    self.process_index = jax.process_index() if process_index is None else process_index
+    self.process_count = jax.process_count() if process_count is None else process_count
+    _process_slice(np.arange(batch_size), self.process_index, self.process_count)
+    self.next_batch = 0
+    self._epoch, self._permutation = None, None
+
+  def _row(self, j: int) -> int:
+    epoch, i = divmod(j, len(self.rows))
+    if epoch != self._epoch:
+      self._epoch = epoch
+      self._permutation = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+    return self._permutation[i]
+
+  def batch(self, index: int) -> dict:
+    """This process's share [B / processes, T] of global batch `index`."""
+    global_rows = np.arange(index * self.batch_size, (index + 1) * self.batch_size)
+    rows = np.array([self._row(j) for j in
+                     _process_slice(global_rows, self.process_index, self.process_count)])
+    return make_batch(self.rows.tokens[rows], self.rows.segment_ids[rows])
+
+  def state(self) -> dict:
+    return {"next_batch": self.next_batch, "seed": self.seed, "rows": len(self.rows)}
+
+  def restore(self, state: dict) -> None:
+    if (state["seed"], state["rows"]) != (self.seed, len(self.rows)):
+      logging.warning("the checkpoint's data position was taken with seed %s over %s rows; "
+                      "now seed %s over %s rows: batches will differ from the first run",
+                      state["seed"], state["rows"], self.seed, len(self.rows))
+    self.next_batch = int(state["next_batch"])
+
+  def __iter__(self) -> Iterator[dict]:
+    return self
+
+  def __next__(self) -> dict:
+    batch = self.batch(self.next_batch)
+    self.next_batch += 1
+    return batch
+
+
+def eval_batches(rows: Rows, batch_size: int, num_batches: int,
+                 process_index: Optional[int] = None,
+                 process_count: Optional[int] = None) -> List[dict]:
+  """The first `num_batches` batches of the eval rows in order (this process's share).
+
+  A split smaller than that gives fewer batches, the last one filled with padding rows.
+  """
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
+  n = min(len(rows), batch_size * num_batches)
+  total = -(-n // batch_size) * batch_size
+  pad = ((0, total - n), (0, 0))
+  tokens = np.pad(rows.tokens[:n], pad)
+  segment_ids = np.pad(rows.segment_ids[:n], pad)
+  batches = []
+  for start in range(0, total, batch_size):
+    local = _process_slice(np.arange(start, start + batch_size), process_index, process_count)
+    batches.append(make_batch(tokens[local], segment_ids[local]))
+  return batches

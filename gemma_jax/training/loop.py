@@ -1,0 +1,229 @@
+"""The training loop: `train(config, workdir)`, to be read top to bottom.
+
+validate the config -> tokenizer -> data -> model, optimizer -> restore the latest
+checkpoint or initialise -> compile -> steps (log, evaluate, checkpoint; stop on a
+signal or a non-finite loss) -> final evaluation, loss plot and a generated sample.
+Everything that can be wrong with the config or the data fails before compiling.
+"""
+
+import os
+import signal
+import threading
+import time
+from typing import Dict, List, Tuple
+
+import jax
+import numpy as np
+from ml_collections import config_dict
+import tqdm
+
+from gemma_jax import config as config_lib
+from gemma_jax import transformer
+from gemma_jax.inference import sampler
+from gemma_jax.training import checkpoints, data, flops, metrics, optimizer, steps, tokenizers
+
+SAMPLE_FILE = "sample.txt"
+
+
+class TrainingDiverged(RuntimeError):
+  """The loss or gradient norm stopped being finite."""
+
+
+class StopSignal:
+  """While active, SIGTERM and SIGINT (Ctrl-C) set `requested` instead of killing the
+  process; a second signal gets the default behaviour back."""
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.requested = None
+    self._previous = {}
+
+  def _handle(self, signum, _):
+    self.requested = signal.Signals(signum).name
+    self._restore()
+
+  def _restore(self):
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler)
+    self._previous = {}
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def __exit__(self, *_):
+    self._restore()
+
+
+def _say(message: str) -> None:
+  if jax.process_index() == 0:
+    tqdm.tqdm.write(message)
+
+
+def _check_finite(pending: List[Tuple[int, dict]], checkpointer, directory) -> List[dict]:
+  """Fetches the metrics of the steps since the last check; raises TrainingDiverged
+  at the first step whose loss or gradient norm is not finite."""
+  fetched = jax.device_get(pending)
+  for step, values in fetched:
+    if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
+      latest = checkpointer.latest_step()
+      kept = (f"the last good checkpoint is step {latest} in {directory}" if latest is not None
+              else "no checkpoint was saved before it")
+      raise TrainingDiverged(f"loss is {values['loss']} (grad_norm {values['grad_norm']}) at "
+                             f"step {step}: stopped without saving; {kept}")
+  return [values for _, values in fetched]
+
+
+def _evaluate(eval_step, params, batches: List[dict]) -> float:
+  """Mean cross-entropy over the eval batches' weighted tokens."""
+  sums = jax.device_get([eval_step(params, batch) for batch in batches])
+  return float(sum(s.cross_entropy for s in sums) / max(sum(s.weight for s in sums), 1.0))
+
+
+def _train_record(fetched: List[dict], seconds: float, tokens: int, flops_per_token: float,
+                  peak_flops: float) -> Dict[str, float]:
+  """The means of the steps' metrics (the last learning rate), tokens/s and MFU."""
+  record = {k: float(np.mean([f[k] for f in fetched])) for k in fetched[-1]}
+  record["learning_rate"] = float(fetched[-1]["learning_rate"])
+  record["tokens_per_s"] = tokens / seconds
+  record["mfu"] = record["tokens_per_s"] * flops_per_token / (peak_flops * jax.device_count())
+  return record
+
+
+def _generate(config: config_dict.ConfigDict, model, params, tokenizer) -> str:
+  """The sample prompt and its continuation, as text."""
+  prompt = [tokenizer.bos_id] + tokenizer.encode([config.sample.prompt])[0].tolist()
+  tokens = sampler.sample(
+      model.apply, params, np.asarray([prompt], np.int32), jax.random.key(config.seed),
+      max_new_tokens=config.sample.max_new_tokens, temperature=config.sample.temperature,
+      top_k=config.sample.top_k, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+  new = np.asarray(tokens)[0, len(prompt):].tolist()
+  if tokenizer.eos_id in new:
+    new = new[:new.index(tokenizer.eos_id)]
+  return config.sample.prompt + tokenizer.decode(new)
+
+
+def _log_line(step: int, total: int, record: Dict[str, float]) -> str:
+  names = (("loss", "loss", ".4f"), ("eval_loss", "eval_loss", ".4f"),
+           ("learning_rate", "lr", ".2e"), ("grad_norm", "grad_norm", ".3f"),
+           ("tokens_per_s", "tokens/s", ".0f"), ("mfu", "mfu", ".2%"))
+  fields = [f"{label} {record[key]:{fmt}}" for key, label, fmt in names if key in record]
+  return f"step {step}/{total} | " + " | ".join(fields)
+
+
+def train(config: config_dict.ConfigDict, workdir: str) -> dict:
+  """Trains (or resumes training) and returns a summary.
+
+  Returns:
+    dict with "step" (reached), "stopped_by" (a signal name, or None), and when the
+    run is complete "eval_loss", "unigram_entropy" (both in nats per token) and
+    "sample" (text, or None).
+
+  Raises:
+    ConfigError / data.DataError: naming the config field at fault, before compiling.
+    TrainingDiverged: the loss became NaN or infinite; no checkpoint is written after it.
+  """
+  config_lib.validate(config)
+  t = config.train
+  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
+  train_rows, eval_rows = data.load_splits(config.data, tokenizer, config.seed)
+  batches = data.TrainBatches(train_rows, t.batch_size, config.seed)
+  # Evaluation runs in micro-batches too: they are what fits in memory.
+  accum = config.optimizer.grad_accum_steps
+  eval_set = data.eval_batches(eval_rows, t.batch_size // accum, t.eval_batches * accum)
+  entropy = metrics.unigram_entropy(eval_set)
+  _say(f"data: {len(train_rows)} train rows, {len(eval_rows)} eval rows of "
+       f"{config.data.seq_len} tokens; eval unigram entropy {entropy:.4f} nats/token")
+
+  os.makedirs(workdir, exist_ok=True)
+  model = transformer.transform(config)
+  forward = steps.model_forward(model)
+  schedule = optimizer.learning_rate_schedule(config.optimizer, t.steps)
+  tx = optimizer.make_optimizer(config.optimizer, schedule)
+  init = lambda: steps.init_state(model, tx, config.seed, config.data.seq_len)
+  checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+  checkpointer = checkpoints.Checkpointer(checkpoint_dir, config.checkpoint.keep)
+  if checkpointer.latest_step() is None:
+    state = jax.jit(init)()
+  else:
+    state, data_state = checkpointer.restore(jax.eval_shape(init))
+    batches.restore(data_state)
+    _say(f"resumed from step {int(state.step)} in {checkpoint_dir}")
+
+  start = time.perf_counter()
+  train_step = jax.jit(steps.make_train_step(
+      forward, tx, schedule, grad_accum_steps=config.optimizer.grad_accum_steps,
+      z_loss=t.z_loss), donate_argnums=0).lower(state, batches.batch(batches.next_batch)).compile()
+  eval_step = jax.jit(steps.make_eval_step(forward)).lower(state.params, eval_set[0]).compile()
+  _say(f"compiled the train and eval steps in {time.perf_counter() - start:.1f}s")
+
+  tokens_per_step = t.batch_size * config.data.seq_len
+  flops_per_token = flops.training_flops_per_token(config.model, config.data.seq_len)
+  peak = t.peak_flops or flops.measure_peak_flops(config.model.dtype)
+  writer = metrics.MetricsWriter(workdir) if jax.process_index() == 0 else None
+  step = int(state.step)
+  summary = {"step": step, "stopped_by": None}
+  last_eval = None   # (step, eval loss)
+  pending, interval_steps, interval_start = [], 0, time.perf_counter()
+  bar = tqdm.tqdm(total=t.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                  disable=not t.progress_bar or jax.process_index() != 0)
+  try:
+    with StopSignal() as stop:
+      while step < t.steps and not stop.requested:
+        state, step_metrics = train_step(state, next(batches))
+        step += 1
+        pending.append((step, step_metrics))
+        interval_steps += 1
+        bar.update()
+        done = step == t.steps
+        evaluate = done or (t.eval_every and step % t.eval_every == 0)
+        log = done or evaluate or step % t.log_every == 0
+        save = done or step % config.checkpoint.save_every == 0
+        if not (log or save or stop.requested):
+          continue
+        fetched = _check_finite(pending, checkpointer, checkpoint_dir)
+        pending = []
+        if log:
+          record = _train_record(fetched, time.perf_counter() - interval_start,
+                                 interval_steps * tokens_per_step, flops_per_token, peak)
+          if evaluate:
+            record["eval_loss"] = _evaluate(eval_step, state.params, eval_set)
+            last_eval = (step, record["eval_loss"])
+          if done:
+            record["unigram_entropy"] = entropy
+          if writer:
+            writer.write(step, record)
+          bar.set_postfix(loss=f"{record['loss']:.3f}")
+          _say(_log_line(step, t.steps, record))
+        if save or stop.requested:
+          checkpointer.save(state, batches.state())
+        interval_steps, interval_start = 0, time.perf_counter()
+      summary.update(step=step, stopped_by=stop.requested)
+  finally:
+    bar.close()
+    checkpointer.wait()
+    checkpointer.close()
+    if writer:
+      writer.close()
+
+  if summary["stopped_by"]:
+    _say(f"stopped by {summary['stopped_by']} at step {step}; checkpoint saved in "
+         f"{checkpoint_dir}")
+    return summary
+  if last_eval is None or last_eval[0] != step:
+    last_eval = (step, _evaluate(eval_step, state.params, eval_set))
+  eval_loss = last_eval[1]
+  summary.update(eval_loss=eval_loss, unigram_entropy=entropy, sample=None)
+  _say(f"final eval loss {eval_loss:.4f} nats/token vs eval unigram entropy {entropy:.4f} "
+       f"({1 - eval_loss / entropy:.1%} below)")
+  if jax.process_index() == 0:
+    metrics.plot_losses(metrics.read_records(workdir), os.path.join(workdir, metrics.PLOT_FILE),
+                        reference=entropy)
+  if config.sample.max_new_tokens:
+    summary["sample"] = _generate(config, model, state.params, tokenizer)
+    _say(f"sample: {summary['sample']!r}")
+    if jax.process_index() == 0:
+      with open(os.path.join(workdir, SAMPLE_FILE), "w", encoding="utf-8") as f:
+        f.write(summary["sample"])
+  return summary

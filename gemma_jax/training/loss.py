@@ -1,0 +1,31 @@
+"""Next-token cross-entropy, masked by per-token weights, with an optional z-loss.
+
+Losses are returned as sums over tokens, so that micro-batches add up exactly and
+the caller divides once by the batch's total weight.
+"""
+
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+
+
+class TokenLosses(NamedTuple):
+  """Weighted sums over the tokens of a batch (float32 scalars)."""
+  cross_entropy: jax.Array   # sum of w * -log p(target)
+  z_loss: jax.Array          # sum of w * log(Z)^2, Z the softmax normaliser
+  weight: jax.Array          # sum of w: how many tokens count
+
+
+def token_losses(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> TokenLosses:
+  """logits [B, T, V], targets [B, T] int, weights [B, T] -> weighted sums, in float32."""
+  chex.assert_rank(logits, 3)
+  chex.assert_shape([targets, weights], logits.shape[:2])
+  logits = logits.astype(jnp.float32)
+  weights = weights.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return TokenLosses(cross_entropy=jnp.sum(weights * (log_z - target_logits)),
+                     z_loss=jnp.sum(weights * jnp.square(log_z)),
+                     weight=jnp.sum(weights))

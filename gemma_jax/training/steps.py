@@ -1,0 +1,109 @@
+"""The pure steps: `train_step(state, batch) -> (state, metrics)` and `eval_step`.
+
+Both take a `forward(params, batch, rng) -> (logits [B, T, V], aux_losses)` where
+`aux_losses` maps names to scalar losses the model wants added to the objective
+(e.g. MoE load balancing); `model_forward` adapts a `gemma_jax.transform` model.
+"""
+
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from gemma_jax.training import loss
+from gemma_jax.transformer import Transformed
+
+Batch = Dict[str, jax.Array]
+Forward = Callable[[Any, Batch, Optional[jax.Array]], Tuple[jax.Array, Dict[str, jax.Array]]]
+
+
+class TrainState(NamedTuple):
+  """Everything a step changes; a pytree."""
+  step: jax.Array        # int32 scalar: optimizer updates applied so far
+  params: Any
+  opt_state: Any
+  rng: jax.Array         # PRNG key, split once per step for dropout
+
+
+def model_forward(model: Transformed) -> Forward:
+  """A forward with no auxiliary losses; rng None runs without dropout."""
+
+  def forward(params, batch, rng):
+    logits = model.apply(params, batch["tokens"], positions=batch["positions"],
+                         segment_ids=batch["segment_ids"], rng=rng)
+    return logits, {}
+
+  return forward
+
+
+def init_state(model: Transformed, optimizer: optax.GradientTransformation, seed: int,
+               seq_len: int) -> TrainState:
+  """Fresh parameters and optimizer state; parameters and dropout keys from `seed`."""
+  param_rng, dropout_rng = jax.random.split(jax.random.key(seed))
+  params = model.init(param_rng, jnp.zeros((1, seq_len), jnp.int32))
+  return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), dropout_rng)
+
+
+def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
+                    learning_rate: optax.Schedule, *, grad_accum_steps: int = 1,
+                    z_loss: float = 0.0) -> Callable:
+  """The train step, accumulating gradients over `grad_accum_steps` micro-batches.
+
+  The objective is (sum of cross-entropy + z_loss * sum of log(Z)^2) / (weight of the
+  whole batch) + the mean over micro-batches of each auxiliary loss, so accumulating
+  gives the gradient of one large batch.
+  """
+
+  def micro_step(params, micro, rng, total_weight):
+    def objective(params):
+      logits, aux = forward(params, micro, rng)
+      sums = loss.token_losses(logits, micro["targets"], micro["weights"])
+      aux = {name: value / grad_accum_steps for name, value in aux.items()}
+      value = (sums.cross_entropy + z_loss * sums.z_loss) / total_weight + sum(aux.values())
+      return value, (sums, aux)
+
+    (_, (sums, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    return grads, sums, aux
+
+  def train_step(state: TrainState, batch: Batch) -> Tuple[TrainState, Dict[str, jax.Array]]:
+    """batch: dict of [B, T] arrays (see `gemma_jax.training.data`) -> (state, metrics)."""
+    rng, step_rng = jax.random.split(state.rng)
+    total_weight = jnp.maximum(jnp.sum(batch["weights"], dtype=jnp.float32), 1.0)
+    micro_batches = jax.tree.map(
+        lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]),
+        batch)
+
+    def accumulate(totals, inputs):
+      index, micro = inputs
+      out = micro_step(state.params, micro, jax.random.fold_in(step_rng, index), total_weight)
+      return jax.tree.map(jnp.add, totals, out), None
+
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+        micro_step, state.params, first, step_rng, total_weight))
+    (grads, sums, aux), _ = jax.lax.scan(
+        accumulate, zeros, (jnp.arange(grad_accum_steps), micro_batches))
+
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": sums.cross_entropy / total_weight,
+               "grad_norm": optax.tree.norm(grads),
+               "learning_rate": learning_rate(state.step),
+               "target_tokens": sums.weight,
+               **{f"aux/{name}": value for name, value in aux.items()}}
+    if z_loss:
+      metrics["z_loss"] = sums.z_loss / total_weight
+    return TrainState(state.step + 1, params, opt_state, rng), metrics
+
+  return train_step
+
+
+def make_eval_step(forward: Forward) -> Callable:
+  """eval_step(params, batch) -> loss.TokenLosses sums, without dropout."""
+
+  def eval_step(params, batch: Batch) -> loss.TokenLosses:
+    logits, _ = forward(params, batch, None)
+    return loss.token_losses(logits, batch["targets"], batch["weights"])
+
+  return eval_step

@@ -1,0 +1,218 @@
+"""Data: documents, tokenizers, packing, splits, deterministic resumable order, sharding."""
+
+import inspect
+import json
+import textwrap
+
+import chex
+import jax
+import numpy as np
+import pytest
+import sentencepiece
+
+import gemma_jax as gj
+from gemma_jax.training import data, tokenizers
+
+TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓", "import os\nprint(os.sep)\n",
+         "a" * 70, "class A:\n    pass\n"]
+
+
+def write_corpus(directory, texts=TEXTS):
+  for i, text in enumerate(texts):
+    (directory / f"doc{i}.txt").write_text(text, encoding="utf-8")
+  return str(directory / "*.txt")
+
+
+def reference_batch(tokens, segment_ids):
+  """make_batch written as plain loops over each row."""
+  positions, targets, weights = (np.zeros(tokens.shape, dt) for dt in (int, int, float))
+  for r in range(tokens.shape[0]):
+    for i in range(tokens.shape[1]):
+      same_as_previous = i > 0 and segment_ids[r, i] == segment_ids[r, i - 1]
+      positions[r, i] = positions[r, i - 1] + 1 if same_as_previous else 0
+      if i + 1 < tokens.shape[1] and segment_ids[r, i] > 0 and \
+          segment_ids[r, i + 1] == segment_ids[r, i]:
+        targets[r, i], weights[r, i] = tokens[r, i + 1], 1.0
+  return positions, targets, weights
+
+
+# Tokenizers.
+
+def test_byte_tokenizer_round_trips_unicode():
+  tok = tokenizers.ByteTokenizer()
+  for text in TEXTS:
+    ids = tok.encode([text])[0]
+    assert ids.dtype == np.int32 and ids.min() >= 3 and ids.max() < tok.vocab_size
+    assert len(ids) == len(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+  assert tok.decode([tok.bos_id, *tok.encode(["ok"])[0], tok.eos_id, tok.pad_id]) == "ok"
+
+
+def test_sentencepiece_model_by_path(tmp_path):
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text(inspect.getsource(textwrap), encoding="utf-8")
+  sentencepiece.SentencePieceTrainer.train(
+      input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=200,
+      pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2)  # Gemma's special ids
+  tok = tokenizers.get_tokenizer(str(tmp_path / "sp.model"), model_vocab_size=256)
+  assert isinstance(tok, tokenizers.SentencePieceTokenizer)
+  assert (tok.vocab_size, tok.pad_id, tok.eos_id, tok.bos_id) == (200, 0, 1, 2)
+  ids = tok.encode(["def f(x):"])[0]
+  assert ids.dtype == np.int32 and tok.decode(ids) == "def f(x):"
+  with pytest.raises(gj.ConfigError, match="vocabulary of 200 ids does not fit") as error:
+    tokenizers.get_tokenizer(str(tmp_path / "sp.model"), model_vocab_size=199)
+  assert error.value.field == "data.tokenizer"
+
+
+def test_tokenizer_errors_name_the_field(tmp_path):
+  with pytest.raises(gj.ConfigError, match="no file at") as error:
+    tokenizers.get_tokenizer(str(tmp_path / "missing.model"), model_vocab_size=512)
+  assert error.value.field == "data.tokenizer"
+  with pytest.raises(gj.ConfigError, match="259 ids does not fit model.vocab_size=200"):
+    tokenizers.get_tokenizer("byte", model_vocab_size=200)
+
+
+# Documents.
+
+def test_default_corpus_is_the_standard_library_source():
+  files = data.stdlib_files()
+  assert len(files) > 100 and all(f.endswith(".py") for f in files)
+  assert not any("site-packages" in f for f in files)
+  assert any(f.endswith("/json/__init__.py") for f in files)
+
+
+def test_text_and_jsonl_documents_by_glob(tmp_path):
+  write_corpus(tmp_path, TEXTS[:2])
+  (tmp_path / "more.jsonl").write_text(
+      json.dumps({"text": "third"}) + "\n\n" + json.dumps({"body": "x", "text": "fourth"}) + "\n")
+  docs = data.read_documents(f"{tmp_path}/*.txt, {tmp_path}/*.jsonl")
+  assert sorted(docs) == sorted(TEXTS[:2] + ["third", "fourth"])
+
+
+@pytest.mark.parametrize("files,path,field,message", [
+    ({}, "nowhere/*.txt", "data.path", "no file matches"),
+    ({"a.txt": "", "b.txt": "  \n"}, "*.txt", "data.path", "hold no text"),
+    ({"a.jsonl": '{"body": "x"}\n'}, "*.jsonl", "data.text_field", "a.jsonl:1"),
+    ({"a.jsonl": "not json\n"}, "*.jsonl", "data.text_field", "'text' string"),
+])
+def test_missing_or_empty_data_names_the_field(tmp_path, files, path, field, message):
+  for name, text in files.items():
+    (tmp_path / name).write_text(text)
+  with pytest.raises(data.DataError, match=message) as error:
+    data.read_documents(str(tmp_path / path))
+  assert error.value.field == field
+  assert str(error.value).startswith(f"config.{field}: ")
+
+
+# Packing.
+
+def test_pack_keeps_every_token_in_order_and_pads_the_last_row():
+  docs = tokenizers.ByteTokenizer().encode(TEXTS)
+  tokens, segment_ids = data.concatenate(docs, bos_id=1, eos_id=2)
+  rows = data.pack(tokens, segment_ids, seq_len=16, pad_id=0)
+  n = sum(len(d) + 2 for d in docs)
+  chex.assert_shape([rows.tokens, rows.segment_ids], (-(-n // 16), 16))
+  flat_tokens, flat_segments = rows.tokens.ravel(), rows.segment_ids.ravel()
+  for i, doc in enumerate(docs, 1):
+    np.testing.assert_array_equal(flat_tokens[flat_segments == i], [1, *doc, 2])
+  np.testing.assert_array_equal(flat_segments[n:], 0)
+  np.testing.assert_array_equal(flat_segments[:n], np.sort(flat_segments[:n]))
+
+
+def test_batch_positions_targets_and_weights_match_a_loop_reference():
+  rng = np.random.default_rng(0)
+  segment_ids = np.sort(rng.integers(0, 4, (3, 20)), axis=1)[:, ::-1].copy()  # 0 = pad at end
+  tokens = rng.integers(3, 259, (3, 20)).astype(np.int32)
+  batch = data.make_batch(tokens, segment_ids)
+  positions, targets, weights = reference_batch(tokens, segment_ids)
+  np.testing.assert_array_equal(batch["positions"], positions)
+  np.testing.assert_array_equal(batch["weights"], weights)
+  np.testing.assert_array_equal(np.where(weights > 0, batch["targets"], 0), targets)
+  assert {k: v.dtype for k, v in batch.items()} == dict(
+      tokens=np.int32, segment_ids=np.int32, positions=np.int32, targets=np.int32,
+      weights=np.float32)
+
+
+def test_packed_row_logits_equal_each_document_alone():
+  config = gj.get_config("gemma3-tiny")
+  config.model.update(dict(vocab_size=260, d_model=32, num_heads=2, num_kv_heads=1,
+                           head_dim=16, mlp_dim=64, num_layers=2, sliding_window=6,
+                           attention_pattern=("local", "global")))
+  model = gj.transform(config)
+  docs = tokenizers.ByteTokenizer().encode(["x = 1\n", "def f():\n  pass", "import os"])
+  tokens, segment_ids = data.concatenate(docs, bos_id=1, eos_id=2)
+  rows = data.pack(tokens, segment_ids, seq_len=48, pad_id=0)
+  assert len(rows) == 1
+  batch = data.make_batch(rows.tokens, rows.segment_ids)
+  params = model.init(jax.random.key(0), batch["tokens"])
+  apply = jax.jit(model.apply)
+  packed = apply(params, batch["tokens"], positions=batch["positions"],
+                       segment_ids=batch["segment_ids"])[0]
+  for i, doc in enumerate(docs, 1):
+    alone = apply(params, np.asarray([[1, *doc, 2]], np.int32))[0]
+    np.testing.assert_allclose(packed[batch["segment_ids"][0] == i], alone, atol=1e-5,
+                               rtol=1e-5)
+
+
+# Splits and order.
+
+def test_splits_hold_every_token_once_and_are_seeded(tmp_path):
+  config = gj.get_config("gemma3-tiny").data
+  config.path, config.seq_len, config.eval_fraction = write_corpus(tmp_path), 8, 0.25
+  tok = tokenizers.ByteTokenizer()
+  train, held_out = data.load_splits(config, tok, seed=0)
+  real = lambda rows: rows.tokens[rows.segment_ids > 0]
+  total = sum(len(t.encode("utf-8")) + 2 for t in TEXTS)
+  assert len(real(train)) + len(real(held_out)) == total
+  assert len(real(held_out)) == round(0.25 * total)
+  again, _ = data.load_splits(config, tok, seed=0)
+  other, _ = data.load_splits(config, tok, seed=1)
+  np.testing.assert_array_equal(train.tokens, again.tokens)
+  assert not np.array_equal(real(train), real(other))
+
+
+def make_rows(n_rows=10, seq_len=6):
+  tokens = np.arange(n_rows * seq_len, dtype=np.int32).reshape(n_rows, seq_len)
+  return data.Rows(tokens, np.ones_like(tokens))
+
+
+def test_train_order_is_seeded_visits_every_row_each_epoch_and_resumes():
+  rows = make_rows()
+  batches = data.TrainBatches(rows, batch_size=5, seed=3, process_index=0, process_count=1)
+  seen = [next(batches)["tokens"][:, 0] // 6 for _ in range(4)]   # two epochs of 10 rows
+  assert sorted(np.concatenate(seen[:2])) == list(range(10))
+  assert sorted(np.concatenate(seen[2:])) == list(range(10))
+  assert not np.array_equal(np.concatenate(seen[:2]), np.concatenate(seen[2:]))
+
+  resumed = data.TrainBatches(rows, batch_size=5, seed=3, process_index=0, process_count=1)
+  resumed.restore(batches.state())
+  fresh = data.TrainBatches(rows, batch_size=5, seed=3, process_index=0, process_count=1)
+  expected = [fresh.batch(i) for i in range(4, 7)]
+  for want in expected:
+    chex.assert_trees_all_equal(next(resumed), want)
+  other_seed = data.TrainBatches(rows, batch_size=5, seed=4, process_index=0, process_count=1)
+  assert not np.array_equal(other_seed.batch(0)["tokens"], fresh.batch(0)["tokens"])
+
+
+def test_processes_read_disjoint_slices_of_the_global_batch():
+  rows = make_rows()
+  whole = data.TrainBatches(rows, batch_size=4, seed=0, process_index=0, process_count=1)
+  shards = [data.TrainBatches(rows, batch_size=4, seed=0, process_index=p, process_count=2)
+            for p in range(2)]
+  for i in range(3):
+    np.testing.assert_array_equal(
+        np.concatenate([s.batch(i)["tokens"] for s in shards]), whole.batch(i)["tokens"])
+  with pytest.raises(gj.ConfigError, match="do not split over 3 processes") as error:
+    data.TrainBatches(rows, batch_size=4, seed=0, process_index=0, process_count=3)
+  assert error.value.field == "train.batch_size"
+
+
+def test_eval_batches_are_the_first_rows_in_order_padded():
+  rows = make_rows(n_rows=5)
+  batches = data.eval_batches(rows, batch_size=2, num_batches=4, process_index=0,
+                              process_count=1)
+  assert len(batches) == 3
+  np.testing.assert_array_equal(np.concatenate([b["tokens"] for b in batches])[:5], rows.tokens)
+  np.testing.assert_array_equal(batches[-1]["weights"][1], 0)
+  assert len(data.eval_batches(rows, batch_size=2, num_batches=1, process_index=0,
+                               process_count=1)) == 1

@@ -1,0 +1,357 @@
+"""Training: loss, optimizer, steps, sampler, FLOPs, and whole runs (resume, signals,
+divergence, errors)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import chex
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gemma_jax as gj
+from gemma_jax import transformer
+from gemma_jax.inference import sampler
+from gemma_jax.training import (checkpoints, data, flops, loop, loss, metrics, optimizer, steps,
+                                tokenizers)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MODEL = dict(vocab_size=260, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                  mlp_dim=64, num_layers=2, attention_pattern=("local", "global"),
+                  sliding_window=8)
+
+
+def tiny_config(corpus_glob=None, **model):
+  """A two-layer model on a small corpus: a whole run compiles in seconds."""
+  config = gj.get_config("gemma3-tiny")
+  config.model.update(dict(TINY_MODEL, **model))
+  config.data.path = corpus_glob
+  config.data.seq_len = 32
+  config.data.eval_fraction = 0.1
+  config.train.update(dict(steps=6, batch_size=4, log_every=1, eval_every=3, eval_batches=2,
+                           progress_bar=False, peak_flops=1e9))
+  config.optimizer.warmup_steps = 2
+  config.checkpoint.update(dict(save_every=2, keep=2))
+  config.sample.max_new_tokens = 0
+  return config
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+  """Eight real documents (the heads of stdlib modules) as .txt files."""
+  directory = tmp_path_factory.mktemp("corpus")
+  for i, filename in enumerate(data.stdlib_files()[:8]):
+    with open(filename, encoding="utf-8") as f:
+      (directory / f"{i}.txt").write_text(f.read()[:3000], encoding="utf-8")
+  return str(directory / "*.txt")
+
+
+def random_batch(b=4, t=16, seed=0):
+  rng = np.random.default_rng(seed)
+  segment_ids = np.sort(rng.integers(1, 4, (b, t)), axis=1)
+  segment_ids[:, -3:] = 0
+  return data.make_batch(rng.integers(3, 259, (b, t)).astype(np.int32), segment_ids)
+
+
+# Loss.
+
+def test_token_losses_match_optax_with_masking():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(2, 5, 11)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, 11, (2, 5)))
+  weights = jnp.asarray(rng.integers(0, 2, (2, 5)), jnp.float32)
+  sums = loss.token_losses(logits, targets, weights)
+  per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+  np.testing.assert_allclose(sums.cross_entropy, jnp.sum(per_token * weights), rtol=1e-6)
+  log_z = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))
+  np.testing.assert_allclose(sums.z_loss, np.sum(log_z ** 2 * weights), rtol=1e-5)
+  assert float(sums.weight) == float(weights.sum())
+
+
+# Optimizer.
+
+def test_schedule_warms_up_then_decays_to_its_end_value():
+  config = gj.get_config("gemma3-tiny").optimizer
+  config.update(dict(learning_rate=2e-3, warmup_steps=10, end_learning_rate_ratio=0.1))
+  schedule = optimizer.learning_rate_schedule(config, total_steps=110)
+  np.testing.assert_allclose([schedule(0), schedule(5), schedule(10), schedule(60), schedule(110)],
+                             [0.0, 1e-3, 2e-3, 1.1e-3, 2e-4], rtol=1e-5)
+  config.decay_steps = 210
+  np.testing.assert_allclose(optimizer.learning_rate_schedule(config, 110)(110), 1.1e-3,
+                             rtol=1e-5)
+
+
+def test_weight_decay_skips_parameters_matching_no_decay():
+  config = gj.get_config("gemma3-tiny").optimizer
+  config.update(dict(learning_rate=0.1, warmup_steps=0, weight_decay=0.5, no_decay=("norm",)))
+  params = {"attn": {"q": {"kernel": jnp.ones(3)}}, "final_norm": {"scale": jnp.ones(3)}}
+  tx = optimizer.make_optimizer(config, optimizer.learning_rate_schedule(config, 10))
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  np.testing.assert_allclose(updates["attn"]["q"]["kernel"], -0.1 * 0.5)   # -lr * wd * p
+  np.testing.assert_array_equal(updates["final_norm"]["scale"], 0.0)
+
+
+def test_gradients_are_clipped_to_the_global_norm():
+  config = gj.get_config("gemma3-tiny").optimizer
+  config.update(dict(max_grad_norm=1.0, weight_decay=0.0, warmup_steps=0))
+  clip = optimizer.make_optimizer(config, lambda _: 1.0)
+  params = {"w": jnp.zeros(4)}
+  grads = {"w": jnp.full(4, 10.0)}
+  state = clip.init(params)
+  _, state = clip.update(grads, state, params)
+  mu = state[1][0].mu["w"]   # Adam's first moment saw the clipped gradient
+  np.testing.assert_allclose(mu, (1 - config.b1) * grads["w"] / 20.0, rtol=1e-6)
+
+
+# Steps.
+
+@pytest.fixture(scope="module")
+def sgd():
+  """Plain SGD (lr 1), so a step changes the parameters by minus the gradient; the
+  initial state of the tiny model; a batch; and the compiled plain step."""
+  tx = optax.sgd(1.0)
+  model = gj.transform(tiny_config())
+  state = jax.jit(lambda: steps.init_state(model, tx, seed=0, seq_len=16))()
+  make = lambda forward=steps.model_forward(model), **kwargs: jax.jit(
+      steps.make_train_step(forward, tx, lambda _: 1.0, **kwargs))
+  batch = random_batch(b=8)
+  return dict(model=model, state=state, batch=batch, make=make,
+              plain_result=make(z_loss=1e-3)(state, batch))
+
+
+def test_grad_accumulation_equals_one_large_batch(sgd):
+  new_one, metrics_one = sgd["plain_result"]
+  new_four, metrics_four = sgd["make"](grad_accum_steps=4, z_loss=1e-3)(sgd["state"], sgd["batch"])
+  chex.assert_trees_all_close(new_four.params, new_one.params, rtol=1e-5, atol=1e-6)
+  for key in ("loss", "grad_norm", "z_loss", "target_tokens"):
+    np.testing.assert_allclose(metrics_four[key], metrics_one[key], rtol=1e-5)
+
+
+def test_auxiliary_losses_are_added_to_the_objective(sgd):
+  def forward_with_aux(params, batch, rng):
+    logits, _ = steps.model_forward(sgd["model"])(params, batch, rng)
+    return logits, {"l2": 0.01 * jnp.sum(params["embed"]["embedding"] ** 2)}
+
+  state = sgd["state"]
+  base, _ = sgd["plain_result"]
+  new, step_metrics = sgd["make"](forward_with_aux, z_loss=1e-3)(state, sgd["batch"])
+  embedding = state.params["embed"]["embedding"]
+  np.testing.assert_allclose(step_metrics["aux/l2"], 0.01 * jnp.sum(embedding ** 2), rtol=1e-5)
+  np.testing.assert_allclose(base.params["embed"]["embedding"] - new.params["embed"]["embedding"],
+                             0.02 * embedding, atol=1e-6)
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(sgd):
+  bf16 = gj.transform(tiny_config(dtype="bfloat16"))
+  new, step_metrics = sgd["make"](steps.model_forward(bf16), z_loss=1e-3)(sgd["state"],
+                                                                           sgd["batch"])
+  assert {leaf.dtype for leaf in jax.tree.leaves(new.params)} == {jnp.dtype(jnp.float32)}
+  np.testing.assert_allclose(step_metrics["loss"], sgd["plain_result"][1]["loss"], rtol=2e-2)
+
+
+# Sampler.
+
+def test_greedy_sample_equals_an_argmax_loop_and_stops_at_eos():
+  model = gj.transform(tiny_config())
+  prompt = np.asarray([[1, 40, 50, 60]], np.int32)
+  params = jax.jit(model.init)(jax.random.key(1), prompt)
+  apply = jax.jit(model.apply)
+  expected = np.zeros((1, 9), np.int32)   # causal: the zeros after i do not change logits at i
+  expected[:, :4] = prompt
+  for i in range(4, 9):
+    expected[:, i] = np.argmax(apply(params, expected)[:, i - 1], axis=-1)
+  generate = lambda **kwargs: sampler.sample(model.apply, params, prompt, jax.random.key(0),
+                                             max_new_tokens=5, temperature=0.0, **kwargs)
+  np.testing.assert_array_equal(generate(), expected)
+  stopped = generate(eos_id=int(expected[0, 4]), pad_id=0)   # stops after its first token
+  np.testing.assert_array_equal(stopped[0, :5], expected[0, :5])
+  np.testing.assert_array_equal(stopped[0, 5:], 0)
+
+
+def test_top_k_samples_only_among_the_k_likeliest():
+  logits = jnp.log(jnp.asarray([[0.1, 0.4, 0.2, 0.3]] * 2000))
+  np.testing.assert_array_equal(sampler.choose(logits, None, temperature=0.0, top_k=0), 1)
+  picks = np.asarray(sampler.choose(logits, jax.random.key(0), temperature=1.0, top_k=2))
+  assert set(picks.tolist()) == {1, 3}
+  np.testing.assert_allclose(np.mean(picks == 1), 0.4 / 0.7, atol=0.04)
+
+
+# Reporting.
+
+def test_matmul_flops_count_the_model_kernels():
+  config = tiny_config().model
+  shapes = jax.eval_shape(gj.transform(tiny_config()).init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  flat = flax.traverse_util.flatten_dict(shapes)
+  kernels = sum(int(np.prod(v.shape)) for k, v in flat.items() if k[-1] == "kernel")
+  assert flops.matmul_params(config) == kernels + config.vocab_size * config.d_model
+  # Two layers: local sees min(window 8, T), global sees T.
+  attention = 4 * 2 * 16 * (8 + 32)
+  assert flops.training_flops_per_token(config, 32) == 3 * (2 * (kernels + 260 * 32) + attention)
+  assert flops.measure_peak_flops(repeats=1) > 1e8
+
+
+def test_unigram_entropy_of_known_distributions():
+  batch = {"targets": np.asarray([[1, 2, 3, 4, 9]]), "weights": np.asarray([[1, 1, 1, 1, 0.]])}
+  np.testing.assert_allclose(metrics.unigram_entropy([batch]), np.log(4))
+  same = {"targets": np.full((2, 3), 7), "weights": np.ones((2, 3))}
+  assert metrics.unigram_entropy([same]) == 0.0
+
+
+# Whole runs.
+
+@pytest.fixture(scope="module")
+def full_run(corpus, tmp_path_factory):
+  """An uninterrupted run with dropout (so the RNG matters) and a sample at the end."""
+  config = tiny_config(corpus, dropout_rate=0.1)
+  config.sample.max_new_tokens = 8
+  workdir = str(tmp_path_factory.mktemp("full"))
+  return config, workdir, loop.train(config, workdir)
+
+
+def test_a_run_writes_metrics_events_checkpoints_plot_and_sample(full_run):
+  config, workdir, summary = full_run
+  records = metrics.read_records(workdir)
+  assert [r["step"] for r in records] == list(range(1, 7))
+  for key in ("loss", "learning_rate", "grad_norm", "tokens_per_s", "mfu"):
+    assert all(np.isfinite(r[key]) for r in records), key
+  assert [r["step"] for r in records if "eval_loss" in r] == [3, 6]
+  assert records[-1]["eval_loss"] == pytest.approx(summary["eval_loss"])
+  assert records[-1]["unigram_entropy"] == pytest.approx(summary["unigram_entropy"])
+  assert os.listdir(os.path.join(workdir, "tensorboard"))[0].startswith("events.out.tfevents")
+  assert checkpoints.Checkpointer(os.path.join(workdir, "checkpoints"), 2).all_steps() == (4, 6)
+  assert os.path.getsize(os.path.join(workdir, metrics.PLOT_FILE)) > 0
+  with open(os.path.join(workdir, loop.SAMPLE_FILE), encoding="utf-8") as f:
+    assert f.read() == summary["sample"]
+  assert summary["sample"].startswith(config.sample.prompt)
+
+
+def test_resumed_run_equals_uninterrupted_run_bit_for_bit(full_run, tmp_path):
+  config, full_workdir, _ = full_run
+  first_part = config.copy_and_resolve_references()
+  first_part.train.steps = 3
+  first_part.optimizer.decay_steps = 6      # the schedule of the 6-step run
+  first_part.sample.max_new_tokens = 0
+  assert loop.train(first_part, str(tmp_path))["step"] == 3
+  second_part = config.copy_and_resolve_references()
+  second_part.sample.max_new_tokens = 0
+  assert loop.train(second_part, str(tmp_path))["step"] == 6
+  full = {r["step"]: r for r in metrics.read_records(full_workdir)}
+  resumed = {r["step"]: r for r in metrics.read_records(str(tmp_path))}
+  for step in range(4, 7):
+    for key in ("loss", "grad_norm", "learning_rate"):
+      assert resumed[step][key] == full[step][key], (step, key)   # exact equality
+  assert resumed[6]["eval_loss"] == full[6]["eval_loss"]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
+  make_train_step = steps.make_train_step
+
+  def poisoned(*args, **kwargs):
+    """From the 4th update on, parameters and loss become NaN."""
+    step = make_train_step(*args, **kwargs)
+
+    def train_step(state, batch):
+      new, step_metrics = step(state, batch)
+      bad = state.step >= 3
+      params = jax.tree.map(lambda p: jnp.where(bad, jnp.nan, p), new.params)
+      return new._replace(params=params), {**step_metrics,
+                                           "loss": jnp.where(bad, jnp.nan, step_metrics["loss"])}
+    return train_step
+
+  monkeypatch.setattr(steps, "make_train_step", poisoned)
+  config = tiny_config(corpus)
+  with pytest.raises(loop.TrainingDiverged,
+                     match=r"loss is nan .* at step 4: .* last good checkpoint is step 2"):
+    loop.train(config, str(tmp_path))
+  checkpointer = checkpoints.Checkpointer(str(tmp_path / "checkpoints"), 2)
+  assert checkpointer.all_steps() == (2,)
+  model = gj.transform(config)
+  tx = optimizer.make_optimizer(config.optimizer, lambda _: 1.0)
+  like = jax.eval_shape(lambda: steps.init_state(model, tx, 0, 32))
+  restored, data_state = checkpointer.restore(like)
+  assert int(restored.step) == 2 and data_state["next_batch"] == 2
+  chex.assert_tree_all_finite(restored.params)
+
+
+@pytest.mark.parametrize("section,field,value,name,message", [
+    ("optimizer", "learning_rate", -1.0, "optimizer.learning_rate", r"\(0, inf\)"),
+    ("optimizer", "grad_accum_steps", 3, "optimizer.grad_accum_steps", "does not divide"),
+    ("optimizer", "no_decay", ("(",), "optimizer.no_decay", "not a regex"),
+    ("train", "steps", 2, "train.steps", "must exceed optimizer.warmup_steps"),
+    ("data", "seq_len", 1, "data.seq_len", ">= 2"),
+    ("data", "eval_fraction", 0.0, "data.eval_fraction", r"\(0, 1\)"),
+    ("data", "path", "/nonexistent/*.txt", "data.path", "no file matches"),
+    ("data", "tokenizer", "/nonexistent/tokenizer.model", "data.tokenizer", "no file at"),
+    ("model", "vocab_size", 100, "data.tokenizer", "259 ids does not fit"),
+    ("checkpoint", "keep", 0, "checkpoint.keep", ">= 1"),
+    ("sample", "temperature", -1.0, "sample.temperature", r"\[0, inf\)"),
+])
+def test_bad_config_or_data_fails_before_building_the_model(corpus, tmp_path, monkeypatch,
+                                                            section, field, value, name, message):
+  monkeypatch.setattr(transformer, "transform", lambda *_: pytest.fail("model was built"))
+  config = tiny_config(corpus)
+  config[section][field] = value
+  with pytest.raises(gj.ConfigError, match=message) as error:
+    loop.train(config, str(tmp_path))
+  assert error.value.field == name
+
+
+def write_config_file(directory, corpus_glob, steps):
+  """tiny_config as a config file for experiments/train.py."""
+  path = directory / "tiny_config.py"
+  path.write_text(
+      "import gemma_jax as gj\n\n"
+      "def get_config():\n"
+      "  config = gj.get_config('gemma3-tiny')\n"
+      f"  config.model.update({TINY_MODEL!r})\n"
+      f"  config.data.path = {corpus_glob!r}\n"
+      "  config.data.seq_len = 32\n"
+      f"  config.train.update(dict(steps={steps}, batch_size=4, log_every=1, eval_every=0,\n"
+      "                           progress_bar=False, peak_flops=1e9))\n"
+      "  config.optimizer.warmup_steps = 2\n"
+      "  config.checkpoint.save_every = 1000000\n"
+      "  config.sample.max_new_tokens = 0\n"
+      "  return config\n")
+  return str(path)
+
+
+def run_app(*args, **popen):
+  return subprocess.Popen([sys.executable, os.path.join(REPO, "experiments", "train.py"), *args],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                          **popen)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
+  workdir = tmp_path / "run"
+  process = run_app(f"--config={write_config_file(tmp_path, corpus, 100000)}",
+                    f"--workdir={workdir}")
+  deadline = time.time() + 120
+  while not (workdir / metrics.METRICS_FILE).exists() or \
+      not (workdir / metrics.METRICS_FILE).read_text():
+    assert process.poll() is None and time.time() < deadline, process.communicate()
+    time.sleep(0.2)
+  process.send_signal(signal.SIGTERM)
+  stdout, stderr = process.communicate(timeout=60)
+  assert process.returncode == 0, stderr
+  saved = checkpoints.Checkpointer(str(workdir / "checkpoints"), 1).all_steps()
+  assert len(saved) == 1 and saved[0] >= 1
+  assert f"stopped by SIGTERM at step {saved[0]}; checkpoint saved" in stdout
+  logged = [r["step"] for r in metrics.read_records(str(workdir))]
+  assert logged == list(range(1, saved[0] + 1))
+
+
+def test_app_reports_a_missing_data_path_in_one_line(tmp_path):
+  process = run_app(f"--config={write_config_file(tmp_path, '/nonexistent/*.txt', 5)}",
+                    f"--workdir={tmp_path / 'run'}")
+  _, stderr = process.communicate(timeout=120)
+  assert process.returncode == 1
+  assert stderr.strip().splitlines() == [
+      "train.py: error: config.data.path: no file matches '/nonexistent/*.txt'"]
