@@ -4,7 +4,9 @@ r"""Trains a model from a config file: the first command to run.
     python experiments/train.py --config=configs/gemma3_tiny.py --workdir=runs/tiny \
         --config.optimizer.learning_rate=3e-4 --config.data.path='books/*.txt'
 
-Resumes from the workdir's latest checkpoint. SIGTERM or Ctrl-C saves a checkpoint and
+On several devices add mesh sizes (--config.mesh.fsdp=4 --config.mesh.tensor=2); on
+several hosts run the same command on each (see the README). Resumes from the
+workdir's latest checkpoint. SIGTERM or Ctrl-C saves a checkpoint and
 exits cleanly. A bad config, missing data or a diverging loss ends with one error line.
 """
 
@@ -15,6 +17,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from gemma_jax import sharding
 from gemma_jax.config import ConfigError
 from gemma_jax.training import loop
 
@@ -30,6 +33,7 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   try:
+    sharding.maybe_initialize_distributed(_CONFIG.value.mesh)
     loop.train(_CONFIG.value, _WORKDIR.value)
   except (ConfigError, loop.TrainingDiverged) as error:
     sys.exit(f"train.py: error: {error}")

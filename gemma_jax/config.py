@@ -16,6 +16,7 @@ from gemma_jax.layers.mlp import ACTIVATIONS
 ATTENTION_TYPES = ("local", "global")
 BLOCK_TYPES = ("gemma3",)
 DTYPES = ("float32", "bfloat16", "float16")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 
 class ConfigError(ValueError):
@@ -125,6 +126,18 @@ def sample_config() -> config_dict.ConfigDict:
   return c
 
 
+def mesh_config() -> config_dict.ConfigDict:
+  """The device mesh; logical axes map onto it through `gemma_jax.sharding.RULES`."""
+  c = config_dict.ConfigDict()
+  c.data = -1                             # data-parallel ways; -1: the devices left over
+  c.fsdp = 1                              # fully-sharded data-parallel ways (params split on embed)
+  c.tensor = 1                            # tensor-parallel ways (heads, mlp, vocab)
+  c.expert = 1                            # expert-parallel ways (MoE experts)
+  # Call jax.distributed.initialize() (also done when JAX_COORDINATOR_ADDRESS is set).
+  c.distributed = False
+  return c
+
+
 def default_config() -> config_dict.ConfigDict:
   """The whole experiment: the model and everything around it."""
   c = config_dict.ConfigDict()
@@ -134,6 +147,7 @@ def default_config() -> config_dict.ConfigDict:
   c.train = train_config()
   c.checkpoint = checkpoint_config()
   c.sample = sample_config()
+  c.mesh = mesh_config()
   c.seed = 0                              # seeds parameter init, data order, dropout
   c.lock()
   return c
@@ -243,6 +257,15 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
 
   integer("checkpoint.save_every", 1)
   integer("checkpoint.keep", 1)
+
+  sizes = {axis: config.mesh[axis] for axis in MESH_AXES}
+  for axis, size in sizes.items():
+    need(isinstance(size, int) and (size >= 1 or size == -1), f"mesh.{axis}",
+         f"must be a positive integer or -1, got {size!r}")
+  free = [axis for axis, size in sizes.items() if size == -1]
+  if len(free) > 1:
+    raise ConfigError(f"mesh.{free[1]}", f"only one mesh axis may be -1 (the devices left "
+                      f"over), got {free}")
 
   integer("sample.max_new_tokens", 0)
   number("sample.temperature", "[0, inf)")

@@ -34,22 +34,13 @@ def tiny_config(corpus_glob=None, **model):
   config.data.path = corpus_glob
   config.data.seq_len = 32
   config.data.eval_fraction = 0.1
-  config.train.update(dict(steps=6, batch_size=4, log_every=1, eval_every=3, eval_batches=2,
+  # 8 rows: one per simulated device (tests/conftest.py) under the default data mesh.
+  config.train.update(dict(steps=6, batch_size=8, log_every=1, eval_every=3, eval_batches=2,
                            progress_bar=False, peak_flops=1e9))
   config.optimizer.warmup_steps = 2
   config.checkpoint.update(dict(save_every=2, keep=2))
   config.sample.max_new_tokens = 0
   return config
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-  """Eight real documents (the heads of stdlib modules) as .txt files."""
-  directory = tmp_path_factory.mktemp("corpus")
-  for i, filename in enumerate(data.stdlib_files()[:8]):
-    with open(filename, encoding="utf-8") as f:
-      (directory / f"{i}.txt").write_text(f.read()[:3000], encoding="utf-8")
-  return str(directory / "*.txt")
 
 
 def random_batch(b=4, t=16, seed=0):
@@ -314,7 +305,7 @@ def write_config_file(directory, corpus_glob, steps):
       f"  config.model.update({TINY_MODEL!r})\n"
       f"  config.data.path = {corpus_glob!r}\n"
       "  config.data.seq_len = 32\n"
-      f"  config.train.update(dict(steps={steps}, batch_size=4, log_every=1, eval_every=0,\n"
+      f"  config.train.update(dict(steps={steps}, batch_size=8, log_every=1, eval_every=0,\n"
       "                           progress_bar=False, peak_flops=1e9))\n"
       "  config.optimizer.warmup_steps = 2\n"
       "  config.checkpoint.save_every = 1000000\n"

@@ -39,9 +39,19 @@ class Checkpointer:
         state=ocp.args.StandardSave(_to_arrays(state)), data=ocp.args.JsonSave(data_state)))
 
   def restore(self, like: TrainState, step: Optional[int] = None) -> Tuple[TrainState, dict]:
-    """The state (structured like `like`, which may be abstract) and data position."""
+    """The state and the data position.
+
+    Args:
+      like: the state's structure, shapes and dtypes (`jax.ShapeDtypeStruct` leaves);
+        where they carry shardings, each host reads just its shards and the arrays
+        come back laid out that way, whatever mesh the checkpoint was saved from.
+      step: the step to restore; the latest by default.
+    """
     step = self.latest_step() if step is None else step
-    abstract = jax.eval_shape(_to_arrays, like)
+    abstract = jax.tree.map(
+        lambda shape, leaf: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
+                                                 sharding=leaf.sharding),
+        jax.eval_shape(_to_arrays, like), like._asdict())
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
     arrays = restored["state"]

@@ -18,7 +18,7 @@ from ml_collections import config_dict
 import tqdm
 
 from gemma_jax import config as config_lib
-from gemma_jax import transformer
+from gemma_jax import sharding, transformer
 from gemma_jax.inference import sampler
 from gemma_jax.training import checkpoints, data, flops, metrics, optimizer, steps, tokenizers
 
@@ -126,13 +126,15 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
   """
   config_lib.validate(config)
   t = config.train
+  mesh = sharding.make_mesh(config.mesh)
+  # Evaluation runs in micro-batches too: they are what fits in memory.
+  accum = config.optimizer.grad_accum_steps
+  sharding.check_batch_rows(t.batch_size // accum, dict(mesh.shape))
   tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
   train_rows, eval_rows = data.load_splits(config.data, tokenizer, config.seed)
   batches = data.TrainBatches(train_rows, t.batch_size, config.seed)
-  # Evaluation runs in micro-batches too: they are what fits in memory.
-  accum = config.optimizer.grad_accum_steps
-  eval_set = data.eval_batches(eval_rows, t.batch_size // accum, t.eval_batches * accum)
-  entropy = metrics.unigram_entropy(eval_set)
+  local_eval_set = data.eval_batches(eval_rows, t.batch_size // accum, t.eval_batches * accum)
+  entropy = metrics.unigram_entropy(local_eval_set)
   _say(f"data: {len(train_rows)} train rows, {len(eval_rows)} eval rows of "
        f"{config.data.seq_len} tokens; eval unigram entropy {entropy:.4f} nats/token")
 
@@ -142,20 +144,31 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
   schedule = optimizer.learning_rate_schedule(config.optimizer, t.steps)
   tx = optimizer.make_optimizer(config.optimizer, schedule)
   init = lambda: steps.init_state(model, tx, config.seed, config.data.seq_len)
+  state_shardings = steps.state_shardings(config, tx, jax.eval_shape(init), mesh)
+  batch_sharding = sharding.batch_sharding(mesh)
+  eval_set = [sharding.global_batch(batch, mesh) for batch in local_eval_set]
   checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
   checkpointer = checkpoints.Checkpointer(checkpoint_dir, config.checkpoint.keep)
-  if checkpointer.latest_step() is None:
-    state = jax.jit(init)()
-  else:
-    state, data_state = checkpointer.restore(jax.eval_shape(init))
-    batches.restore(data_state)
-    _say(f"resumed from step {int(state.step)} in {checkpoint_dir}")
 
-  start = time.perf_counter()
-  train_step = jax.jit(steps.make_train_step(
-      forward, tx, schedule, grad_accum_steps=config.optimizer.grad_accum_steps,
-      z_loss=t.z_loss), donate_argnums=0).lower(state, batches.batch(batches.next_batch)).compile()
-  eval_step = jax.jit(steps.make_eval_step(forward)).lower(state.params, eval_set[0]).compile()
+  with sharding.activate(mesh):
+    init = jax.jit(init, out_shardings=state_shardings)
+    if checkpointer.latest_step() is None:
+      state = init()
+    else:
+      state, data_state = checkpointer.restore(jax.eval_shape(init))
+      batches.restore(data_state)
+      _say(f"resumed from step {int(state.step)} in {checkpoint_dir}")
+
+    start = time.perf_counter()
+    train_step = jax.jit(
+        steps.make_train_step(forward, tx, schedule, grad_accum_steps=accum, z_loss=t.z_loss),
+        in_shardings=(state_shardings, batch_sharding),
+        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0,
+    ).lower(state, sharding.global_batch(batches.batch(batches.next_batch), mesh)).compile()
+    eval_step = jax.jit(steps.make_eval_step(forward),
+                        in_shardings=(state_shardings.params, batch_sharding),
+                        out_shardings=sharding.replicated(mesh)).lower(
+                            state.params, eval_set[0]).compile()
   _say(f"compiled the train and eval steps in {time.perf_counter() - start:.1f}s")
 
   tokens_per_step = t.batch_size * config.data.seq_len
@@ -171,7 +184,7 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
   try:
     with StopSignal() as stop:
       while step < t.steps and not stop.requested:
-        state, step_metrics = train_step(state, next(batches))
+        state, step_metrics = train_step(state, sharding.global_batch(next(batches), mesh))
         step += 1
         pending.append((step, step_metrics))
         interval_steps += 1
@@ -221,7 +234,8 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
     metrics.plot_losses(metrics.read_records(workdir), os.path.join(workdir, metrics.PLOT_FILE),
                         reference=entropy)
   if config.sample.max_new_tokens:
-    summary["sample"] = _generate(config, model, state.params, tokenizer)
+    with sharding.activate(mesh):
+      summary["sample"] = _generate(config, model, state.params, tokenizer)
     _say(f"sample: {summary['sample']!r}")
     if jax.process_index() == 0:
       with open(os.path.join(workdir, SAMPLE_FILE), "w", encoding="utf-8") as f:

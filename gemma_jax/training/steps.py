@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from gemma_jax import sharding
 from gemma_jax.training import loss
 from gemma_jax.transformer import Transformed
 
@@ -43,6 +44,16 @@ def init_state(model: Transformed, optimizer: optax.GradientTransformation, seed
   param_rng, dropout_rng = jax.random.split(jax.random.key(seed))
   params = model.init(param_rng, jnp.zeros((1, seq_len), jnp.int32))
   return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), dropout_rng)
+
+
+def state_shardings(config, optimizer: optax.GradientTransformation, abstract: TrainState,
+                    mesh: jax.sharding.Mesh) -> TrainState:
+  """Where each part of a train state lives on `mesh`: parameters and their optimizer
+  slots by the sharding rules, the step, counts and the key replicated."""
+  params = sharding.param_shardings(config, mesh)
+  replicated = sharding.replicated(mesh)
+  opt_state = sharding.optimizer_state_shardings(optimizer, abstract.opt_state, params, mesh)
+  return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated)
 
 
 def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,

@@ -1,0 +1,65 @@
+r"""Plans per-device memory of a training step without allocating anything.
+
+    python experiments/plan.py --config=configs/gemma3_1b.py --preset=gemma3-27b \
+        --devices=256 --mesh=fsdp
+    python experiments/plan.py --config=configs/gemma3_1b.py --devices=256 \
+        --config.mesh.data=1 --config.mesh.fsdp=64 --config.mesh.tensor=4
+
+--preset swaps in a named model's architecture (e.g. gemma3-27b), keeping the rest of the
+config (dtype, remat policy, batch, sequence length).
+Prints a table and, with --json, writes the figures there.
+"""
+
+import json
+import sys
+
+from absl import app
+from absl import flags
+from ml_collections import config_flags
+
+import gemma_jax as gj
+from gemma_jax import planning, sharding
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=True)
+_PRESET = flags.DEFINE_string("preset", None, "Model preset replacing config.model.")
+_DEVICES = flags.DEFINE_integer("devices", 1, "Devices in the planned mesh.")
+_MESH = flags.DEFINE_enum("mesh", None, sorted(sharding.MESH_PRESETS),
+                          "Named mesh shape replacing config.mesh.")
+_JSON = flags.DEFINE_string("json", None, "Also write the plan to this JSON file.")
+flags.mark_flags_as_required(["config"])
+
+GIB = 2 ** 30
+
+
+def main(argv):
+  del argv
+  config = _CONFIG.value
+  if _PRESET.value:   # the preset's architecture; compute choices stay the config's
+    keep = {k: config.model[k] for k in ("dtype", "param_dtype", "remat_policy", "scan_layers")}
+    for key, value in gj.get_config(_PRESET.value).model.items():
+      config.model[key] = keep.get(key, value)
+  if _MESH.value:
+    config.mesh.update(sharding.MESH_PRESETS[_MESH.value])
+  try:
+    gj.validate(config)
+    result = planning.plan(config, _DEVICES.value, config.train.batch_size, config.data.seq_len)
+  except gj.ConfigError as error:
+    sys.exit(f"plan.py: error: {error}")
+  print(f"{config.model.name} on {_DEVICES.value} devices, mesh {result['mesh']}, "
+        f"batch {config.train.batch_size} x {config.data.seq_len} tokens, "
+        f"remat {config.model.remat_policy}")
+  print(f"{'per device':<18}{'GiB':>10}")
+  total = 0
+  for name in ("params", "gradients", "optimizer_state", "activations"):
+    total += result[name]
+    print(f"{name:<18}{result[name] / GIB:>10.3f}")
+  print(f"{'total':<18}{total / GIB:>10.3f}")
+  if _JSON.value:
+    with open(_JSON.value, "w") as f:
+      json.dump(dict(result, total=total, devices=_DEVICES.value, model=config.model.name), f,
+                indent=2)
+
+
+if __name__ == "__main__":
+  app.run(main)

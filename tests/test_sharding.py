@@ -1,0 +1,233 @@
+"""Sharding on 8 simulated CPU devices (tests/conftest.py): meshes from the config,
+sharded training equal to one device, FSDP memory, checkpoints across meshes, the app,
+two processes under jax.distributed, and memory planning."""
+
+import contextlib
+import functools
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gemma_jax as gj
+from gemma_jax import planning, sharding
+from gemma_jax.training import checkpoints, data, metrics, steps
+from test_training import REPO, write_config_file
+
+MODEL = dict(vocab_size=260, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+             num_layers=3, attention_pattern=("local", "global"), sliding_window=5)
+MESHES = {
+    "data8": dict(data=8),
+    "fsdp8": dict(data=1, fsdp=8),
+    "fsdp4_tensor2": dict(data=1, fsdp=4, tensor=2),
+    "data2_fsdp2_tensor2": dict(data=2, fsdp=2, tensor=2),
+}
+
+
+def config_with(mesh=None, **model):
+  config = gj.get_config("gemma3-tiny")
+  config.model.update(dict(MODEL, **model))
+  config.mesh.update(mesh or {})
+  return config
+
+
+def batches(n=5, b=8, t=16):
+  rng = np.random.default_rng(0)
+  segment_ids = np.sort(rng.integers(1, 3, (n, b, t)), axis=-1)
+  return [data.make_batch(rng.integers(3, 259, (b, t)).astype(np.int32), segment_ids[i])
+          for i in range(n)]
+
+
+def run_steps(config, mesh=None):
+  """Losses and final params of 5 AdamW steps; one device when mesh is None."""
+  model = gj.transform(config)
+  tx = optax.adamw(1e-2)
+  step = steps.make_train_step(steps.model_forward(model), tx, lambda _: 1e-2)
+  init = lambda: steps.init_state(model, tx, seed=0, seq_len=16)
+  if mesh is None:
+    state, step = jax.jit(init)(), jax.jit(step)
+    put = lambda batch: batch
+  else:
+    shardings = steps.state_shardings(config, tx, jax.eval_shape(init), mesh)
+    with sharding.activate(mesh):
+      state = jax.jit(init, out_shardings=shardings)()
+      step = jax.jit(step, in_shardings=(shardings, sharding.batch_sharding(mesh)),
+                     out_shardings=(shardings, sharding.replicated(mesh)))
+    put = lambda batch: sharding.global_batch(batch, mesh)
+  losses = []
+  with sharding.activate(mesh) if mesh is not None else contextlib.nullcontext():
+    for batch in batches():
+      state, step_metrics = step(state, put(batch))
+      losses.append(float(step_metrics["loss"]))
+  return np.asarray(losses), state
+
+
+@pytest.fixture(scope="module")
+def single_device():
+  return run_steps(config_with())
+
+
+@functools.cache
+def sharded_run(name):
+  """(losses, final state, mesh) of `run_steps` on the named mesh, run once."""
+  mesh = sharding.make_mesh(config_with(MESHES[name]).mesh)
+  return (*run_steps(config_with(MESHES[name]), mesh), mesh)
+
+
+def test_eight_simulated_devices():
+  assert jax.device_count() == 8
+
+
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_sharded_losses_equal_single_device(single_device, name):
+  losses, state, mesh = sharded_run(name)
+  np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
+  # Adam turns float noise in near-zero gradients into steps of up to lr (1e-2) per
+  # update, so the parameters agree to a looser bound than the losses.
+  chex.assert_trees_all_close(jax.device_get(state.params), jax.device_get(single_device[1].params),
+                              atol=5e-4)
+  embedding = state.params["embed"]["embedding"]    # [V, D]: vocab on tensor, embed on fsdp
+  sizes = dict(mesh.shape)
+  assert embedding.addressable_shards[0].data.shape == (260 // sizes["tensor"],
+                                                         32 // sizes["fsdp"])
+
+
+def test_fsdp8_device_holds_an_eighth_plus_small_vectors():
+  config = config_with(MESHES["fsdp8"])
+  mesh = sharding.make_mesh(config.mesh)
+  with sharding.activate(mesh):
+    params = jax.jit(gj.transform(config).init,
+                     out_shardings=sharding.param_shardings(config, mesh))(
+                         jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  leaves = jax.tree.leaves(params)
+  total = sum(leaf.nbytes for leaf in leaves)
+  replicated = [leaf for leaf in leaves if leaf.sharding.is_fully_replicated]
+  assert all(leaf.ndim <= 2 and leaf.shape[-1] <= 32 for leaf in replicated)   # norm scales
+  small = sum(leaf.nbytes for leaf in replicated)
+  assert small < total / 50
+  for device in jax.devices():
+    held = sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards
+               if shard.device == device)
+    assert held <= total / 8 + small, (device, held, total)
+
+
+def test_mesh_errors_name_the_axis():
+  with pytest.raises(gj.ConfigError, match="do not divide the 8 devices") as error:
+    sharding.mesh_shape(config_with(dict(fsdp=3)).mesh, 8)
+  assert error.value.field == "mesh.data"
+  with pytest.raises(gj.ConfigError, match="span 4 devices, but there are 8"):
+    sharding.mesh_shape(config_with(dict(data=2, fsdp=2)).mesh, 8)
+  with pytest.raises(gj.ConfigError, match="only one mesh axis may be -1") as error:
+    gj.validate(config_with(dict(fsdp=-1)))
+  assert error.value.field == "mesh.fsdp"
+  with pytest.raises(gj.ConfigError, match="positive integer or -1") as error:
+    gj.validate(config_with(dict(tensor=0)))
+  assert error.value.field == "mesh.tensor"
+  assert sharding.mesh_shape(config_with(dict(tensor=2)).mesh, 8) == dict(
+      data=4, fsdp=1, tensor=2, expert=1)
+
+
+def test_indivisible_dimension_names_parameter_and_axis():
+  config = config_with(dict(data=1, tensor=8))
+  with pytest.raises(gj.ConfigError, match=r"parameter blocks/layer_0/attn/k/kernel dimension 2 "
+                     r"\(kv_heads\) has size 2, which mesh axes \('tensor',\) \(8 ways\)"
+                     ) as error:
+    sharding.param_specs(config, sharding.mesh_shape(config.mesh, 8))
+  assert error.value.field == "mesh.tensor"
+  with pytest.raises(gj.ConfigError, match="6 rows does not split") as error:
+    sharding.check_batch_rows(6, dict(data=8, fsdp=1, tensor=1, expert=1))
+  assert error.value.field == "train.batch_size"
+
+
+def test_checkpoint_saved_under_fsdp8_restores_into_data4_tensor2(tmp_path):
+  _, state, _ = sharded_run("fsdp8")
+  checkpointer = checkpoints.Checkpointer(str(tmp_path), keep=1)
+  checkpointer.save(state, {"next_batch": 5})
+  checkpointer.wait()
+
+  config = config_with(dict(data=4, tensor=2))
+  mesh = sharding.make_mesh(config.mesh)
+  model, tx = gj.transform(config), optax.adamw(1e-2)
+  init = lambda: steps.init_state(model, tx, seed=0, seq_len=16)
+  shardings = steps.state_shardings(config, tx, jax.eval_shape(init), mesh)
+  like = jax.eval_shape(jax.jit(init, out_shardings=shardings))
+  restored, data_state = checkpointer.restore(like)
+  checkpointer.close()
+  assert data_state == {"next_batch": 5}
+  chex.assert_trees_all_equal(jax.device_get(restored.params), jax.device_get(state.params))
+  chex.assert_trees_all_equal(jax.device_get(restored.opt_state),
+                              jax.device_get(state.opt_state))
+  for array, target in zip(jax.tree.leaves(restored), jax.tree.leaves(shardings)):
+    assert array.sharding.is_equivalent_to(target, array.ndim)
+  q_kernel = restored.params["layers_2"]["attn"]["q"]["kernel"]   # [D, N, H], N on tensor
+  assert q_kernel.addressable_shards[0].data.shape == (32, 2, 8)
+
+
+def run_app(config_file, workdir, *flags, **popen):
+  return subprocess.Popen(
+      [sys.executable, os.path.join(REPO, "experiments", "train.py"), f"--config={config_file}",
+       f"--workdir={workdir}", "--config.model.num_kv_heads=2", *flags], cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+
+
+@pytest.fixture(scope="module")
+def app_run(tmp_path_factory, corpus):
+  """experiments/train.py for 3 steps under fsdp=4 x tensor=2: (config file, losses)."""
+  directory = tmp_path_factory.mktemp("app")
+  config_file = write_config_file(directory, corpus, 3)
+  process = run_app(config_file, directory / "run", "--config.mesh.fsdp=4",
+                    "--config.mesh.tensor=2")
+  _, stderr = process.communicate(timeout=300)
+  assert process.returncode == 0, stderr
+  records = metrics.read_records(str(directory / "run"))
+  assert [r["step"] for r in records] == [1, 2, 3]
+  return config_file, [r["loss"] for r in records]
+
+
+def test_train_app_runs_under_fsdp4_tensor2(app_run):
+  assert all(np.isfinite(app_run[1]))
+
+
+def free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_like_one(tmp_path, app_run):
+  """Two jax.distributed processes of 4 devices each (fsdp=8 across them, each reading
+  its half of every batch) log the losses of one process with 8 devices."""
+  config_file, single_process_losses = app_run
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
+  workers = [run_app(config_file, tmp_path, "--config.mesh.data=1", "--config.mesh.fsdp=8",
+                     env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
+  outputs = [worker.communicate(timeout=300) for worker in workers]
+  assert [worker.returncode for worker in workers] == [0, 0], outputs
+  records = metrics.read_records(str(tmp_path))     # written by process 0 alone
+  assert [r["step"] for r in records] == [1, 2, 3]
+  np.testing.assert_allclose([r["loss"] for r in records], single_process_losses, rtol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["gemma3-27b"])
+def test_plan_params_per_device_on_256_devices(preset):
+  config = gj.get_config(preset)
+  config.mesh.update(dict(data=1, fsdp=-1))
+  plan = planning.plan(config, num_devices=256, batch_size=256, seq_len=4096)
+  shapes = jax.eval_shape(gj.transform(config).init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 1), jnp.int32))
+  leaves = jax.tree_util.tree_leaves_with_path(shapes)
+  total = sum(math.prod(s.shape) * 4 for _, s in leaves)
+  # Every matrix splits 256 ways on its D=5376 dim; only norm scales stay whole.
+  scales = sum(math.prod(s.shape) * 4 for path, s in leaves if path[-1].key == "scale")
+  assert plan["mesh"] == dict(data=1, fsdp=256, tensor=1, expert=1)
+  assert total / 256 <= plan["params"] <= total / 256 + scales
+  assert plan["optimizer_state"] == 2 * plan["params"]
+  assert plan["activations"] > 0
