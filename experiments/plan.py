@@ -7,7 +7,12 @@ r"""Plans per-device memory of a training step without allocating anything.
 
 --preset swaps in a named model's architecture (e.g. gemma3-27b), keeping the rest of the
 config (dtype, remat policy, batch, sequence length).
-Prints a table and, with --json, writes the figures there.
+Prints a table and, with --json, writes the figures there. With --cache_length it also
+plans the decoding caches (all devices together) against a full-length cache on every
+layer:
+
+    python experiments/plan.py --config=configs/gemma3_1b.py --preset=gemma3-27b \
+        --cache_length=131072 --cache_batch=1
 """
 
 import json
@@ -27,6 +32,10 @@ _DEVICES = flags.DEFINE_integer("devices", 1, "Devices in the planned mesh.")
 _MESH = flags.DEFINE_enum("mesh", None, sorted(sharding.MESH_PRESETS),
                           "Named mesh shape replacing config.mesh.")
 _JSON = flags.DEFINE_string("json", None, "Also write the plan to this JSON file.")
+_CACHE_LENGTH = flags.DEFINE_integer("cache_length", 0, "Also plan decoding caches covering "
+                                     "this many positions; 0: do not.")
+_CACHE_BATCH = flags.DEFINE_integer("cache_batch", 1, "Rows of the planned decoding caches.")
+_CACHE_DTYPE = flags.DEFINE_string("cache_dtype", "bfloat16", "Dtype of the planned caches.")
 flags.mark_flags_as_required(["config"])
 
 GIB = 2 ** 30
@@ -44,6 +53,9 @@ def main(argv):
   try:
     gj.validate(config)
     result = planning.plan(config, _DEVICES.value, config.train.batch_size, config.data.seq_len)
+    if _CACHE_LENGTH.value:
+      result["decode_cache"] = planning.cache_bytes(config, _CACHE_BATCH.value,
+                                                    _CACHE_LENGTH.value, _CACHE_DTYPE.value)
   except gj.ConfigError as error:
     sys.exit(f"plan.py: error: {error}")
   print(f"{config.model.name} on {_DEVICES.value} devices, mesh {result['mesh']}, "
@@ -55,6 +67,12 @@ def main(argv):
     total += result[name]
     print(f"{name:<18}{result[name] / GIB:>10.3f}")
   print(f"{'total':<18}{total / GIB:>10.3f}")
+  if "decode_cache" in result:
+    cache = result["decode_cache"]
+    print(f"decoding cache, {_CACHE_BATCH.value} x {_CACHE_LENGTH.value} positions, "
+          f"{_CACHE_DTYPE.value}, all devices: {cache['cache'] / GIB:.3f} GiB "
+          f"(local layers hold their window) vs {cache['full_length'] / GIB:.3f} GiB "
+          f"full-length on every layer ({cache['cache'] / cache['full_length']:.1%})")
   if _JSON.value:
     with open(_JSON.value, "w") as f:
       json.dump(dict(result, total=total, devices=_DEVICES.value, model=config.model.name), f,

@@ -6,6 +6,7 @@ default. `validate(config)` checks consistency before anything is traced or comp
 and raises `ConfigError` naming the offending field.
 """
 
+import math
 import re
 
 from ml_collections import config_dict
@@ -14,7 +15,8 @@ from gemma_jax import remat
 from gemma_jax.layers.mlp import ACTIVATIONS
 
 ATTENTION_TYPES = ("local", "global")
-BLOCK_TYPES = ("gemma3",)
+BLOCK_TYPES = ("gemma3", "gemma4", "gpt3", "parallel")
+MOE_DISPATCHES = ("auto", "ragged", "loop", "dense")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -58,11 +60,61 @@ def model_config() -> config_dict.ConfigDict:
   c.use_qk_norm = True                    # RMSNorm on queries and keys (per head)
   c.use_post_attn_norm = True             # RMSNorm on the attention output
   c.use_post_ffw_norm = True              # RMSNorm on the MLP output
+  # RMSNorm multiplies by (1 + scale), scale zero-initialised (Gemma 3); False: by scale,
+  # ones-initialised (Gemma 4).
+  c.norm_plus_one = True
+  c.use_value_norm = False                # RMSNorm without scale on values (per head)
+  c.global_num_kv_heads = config_dict.placeholder(int)  # K on global layers; None: num_kv_heads
+  c.global_head_dim = config_dict.placeholder(int)      # H on global layers; None: head_dim
+  c.global_k_eq_v = False                 # global layers use their keys as values (no v projection)
+  c.final_layer_global = False            # the last layer is global whatever the pattern says
+  # Attention types in which tokens sharing a span id (an image) see each other both ways.
+  c.bidirectional_span_types = ("local", "global")
+  # Mixture of experts (block_type "gemma4"): routed experts beside the dense MLP.
+  c.num_experts = 0                       # E, routed experts per layer; 0: dense MLP only
+  c.experts_per_token = 1                 # k, experts each token is routed to (top-k)
+  c.expert_mlp_dim = 0                    # F of each expert's gated MLP
+  c.moe_dispatch = "auto"                 # MOE_DISPATCHES; auto: ragged on GPU/TPU, loop on CPU
+  c.load_balance_loss_weight = 0.0        # weight of the load-balancing loss; 0 disables
+  c.router_z_loss_weight = 0.0            # weight of the router z-loss (logsumexp^2); 0 disables
+  # Embeddings and logits (every family).
+  c.scale_embeddings = True               # token embeddings x sqrt(D) (Gemma); False: as stored
+  c.trainable_position_size = 0           # rows of a learned position embedding (GPT); 0: none
+  c.sinusoidal_position_embedding = False  # add the untrainable sinusoidal embedding of positions
+  c.logits_via_embedding = True           # logits by the tied embedding; False: own [D, V] kernel
+  c.cast_logits_to_float32 = True         # logits in float32; False: in the compute dtype
+  c.record_internal_nn_metrics = False    # layers sow their output's mean, std, fraction of zeros
+  # GPT-3 (block_type "gpt3").
+  c.fused_qkv = False                     # one [D, 3, N, H] projection for queries, keys, values
+  c.layer_norm_float32 = True             # LayerNorm statistics in float32; False: compute dtype
   c.dropout_rate = 0.0                    # dropout on each layer's output
   c.dtype = "float32"                     # compute dtype (softmax, norms, logits: float32)
   c.param_dtype = "float32"               # parameter storage dtype
   c.scan_layers = True                    # nn.scan over pattern blocks
-  c.remat_policy = "none"                 # name from gemma_jax.remat.POLICIES
+  c.remat_policy = "none"                 # name from gemma_jax.remat.POLICIES (text and vision)
+  c.vision = vision_config()
+  return c
+
+
+def vision_config() -> config_dict.ConfigDict:
+  """Gemma 3's image input: a SigLIP-So400m tower at 896 px, pooled to 256 soft tokens
+  that replace the placeholder ids of the prompt (see gemma_jax.models.vision)."""
+  c = config_dict.ConfigDict()
+  c.enabled = False                       # the model has the tower and takes images
+  c.image_size = 896                      # S, images are resized to S x S pixels
+  c.patch_size = 14                       # p, side of a patch: conv kernel and stride (S % p == 0)
+  c.num_channels = 3                      # C, colour channels of the pixels
+  c.width = 1152                          # W, the encoder's residual width
+  c.num_layers = 27                       # encoder layers (scanned and rematted as the text's)
+  c.num_heads = 16                        # A, attention heads (head dim W / A)
+  c.mlp_dim = 4304                        # F, hidden width of the encoder MLP
+  c.activation = "gelu_tanh"              # encoder MLP activation, from layers.mlp.ACTIVATIONS
+  c.layer_norm_eps = 1e-6                 # eps of the encoder LayerNorms and the soft-token RMSNorm
+  c.tokens_per_image = 256                # M, soft tokens per image: a square whose side divides S / p
+  c.boi_token_id = 255_999                # <start_of_image>: the prompt's image marker, opens a span
+  c.eoi_token_id = 256_000                # <end_of_image>: closes an image span
+  c.image_token_id = 262_144              # <image_soft_token>: placeholder a soft token replaces
+  c.double_newline_token_id = 108         # "\n\n", written around each image span
   return c
 
 def data_config() -> config_dict.ConfigDict:
@@ -123,6 +175,7 @@ def sample_config() -> config_dict.ConfigDict:
   c.max_new_tokens = 200                  # tokens generated; 0 skips the sample
   c.temperature = 0.8                     # softmax temperature; 0 is greedy
   c.top_k = 40                            # sample among the k likeliest tokens; 0: all
+  c.top_p = 1.0                           # then among the likeliest of this mass; 1: all
   return c
 
 
@@ -192,8 +245,101 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
        f"must lie in [0, 1), got {m.dropout_rate}")
   need(m.remat_policy in remat.POLICIES, "remat_policy",
        f"unknown remat policy {m.remat_policy!r}; known: {tuple(remat.POLICIES)}")
+  _validate_attention_options(m, need)
+  _validate_experts(m, need)
+  _validate_embeddings_and_gpt3(config, need)
+  if m.vision.enabled:
+    _validate_vision(m, need)
   _validate_training(config)
   return config
+
+
+def _validate_attention_options(m: config_dict.ConfigDict, need) -> None:
+  """Per-type heads and head dims, and the span types; `need(ok, field, message)`."""
+  if m.global_num_kv_heads is not None:
+    need(isinstance(m.global_num_kv_heads, int) and m.global_num_kv_heads > 0,
+         "global_num_kv_heads", f"must be a positive integer or None, got "
+         f"{m.global_num_kv_heads!r}")
+    need(m.num_heads % m.global_num_kv_heads == 0, "global_num_kv_heads",
+         f"num_heads={m.num_heads} is not divisible by global_num_kv_heads="
+         f"{m.global_num_kv_heads}")
+  if m.global_head_dim is not None:
+    need(isinstance(m.global_head_dim, int) and m.global_head_dim > 0
+         and m.global_head_dim % 2 == 0, "global_head_dim",
+         f"must be a positive even integer or None, got {m.global_head_dim!r}")
+  for kind in m.bidirectional_span_types:
+    need(kind in ATTENTION_TYPES, "bidirectional_span_types",
+         f"unknown attention type {kind!r}; known: {ATTENTION_TYPES}")
+
+
+def _validate_experts(m: config_dict.ConfigDict, need) -> None:
+  """The mixture-of-experts fields; `need(ok, field, message)`."""
+  need(isinstance(m.num_experts, int) and m.num_experts >= 0, "num_experts",
+       f"must be an integer >= 0, got {m.num_experts!r}")
+  need(m.moe_dispatch in MOE_DISPATCHES, "moe_dispatch",
+       f"unknown dispatch {m.moe_dispatch!r}; known: {MOE_DISPATCHES}")
+  for field in ("load_balance_loss_weight", "router_z_loss_weight"):
+    need(m[field] >= 0, field, f"must be >= 0, got {m[field]}")
+  if not m.num_experts:
+    return
+  need(m.block_type == "gemma4", "num_experts",
+       f"experts need block_type 'gemma4', got {m.block_type!r}")
+  need(isinstance(m.experts_per_token, int) and 1 <= m.experts_per_token <= m.num_experts,
+       "experts_per_token", f"must lie in [1, num_experts={m.num_experts}], got "
+       f"{m.experts_per_token!r}")
+  need(isinstance(m.expert_mlp_dim, int) and m.expert_mlp_dim > 0, "expert_mlp_dim",
+       f"must be a positive integer when num_experts > 0, got {m.expert_mlp_dim!r}")
+
+
+def _validate_embeddings_and_gpt3(config: config_dict.ConfigDict, need) -> None:
+  """Position embeddings and the GPT-3 fields; `need(ok, field, message)`."""
+  m = config.model
+  size = m.trainable_position_size
+  need(isinstance(size, int) and size >= 0, "trainable_position_size",
+       f"must be an integer >= 0, got {size!r}")
+  need(not size or size >= config.data.seq_len, "trainable_position_size",
+       f"{size} positions do not cover data.seq_len={config.data.seq_len}")
+  need(not m.sinusoidal_position_embedding or m.d_model % 2 == 0,
+       "sinusoidal_position_embedding", f"needs an even d_model, got {m.d_model}")
+  need(not m.fused_qkv or m.block_type == "gpt3", "fused_qkv",
+       f"only block_type 'gpt3' fuses its projections, got {m.block_type!r}")
+  need(m.block_type != "gpt3" or m.num_kv_heads == m.num_heads, "num_kv_heads",
+       f"GPT-3 has a key/value head per query head: num_heads={m.num_heads}, got "
+       f"{m.num_kv_heads}")
+
+
+def _validate_vision(m: config_dict.ConfigDict, need) -> None:
+  """The vision section of an image model; `need(ok, field, message)`."""
+  v = m.vision
+  check = lambda ok, field, message: need(ok, f"vision.{field}", message)
+  check(m.block_type == "gemma3", "enabled",
+        f"the vision tower is Gemma 3's: needs block_type 'gemma3', got {m.block_type!r}")
+  for field in ("image_size", "patch_size", "num_channels", "width", "num_layers", "num_heads",
+                "mlp_dim", "tokens_per_image"):
+    check(isinstance(v[field], int) and v[field] > 0, field,
+          f"must be a positive integer, got {v[field]!r}")
+  check(v.image_size % v.patch_size == 0, "patch_size",
+        f"image_size={v.image_size} is not divisible by patch_size={v.patch_size}")
+  check(v.width % v.num_heads == 0, "num_heads",
+        f"width={v.width} is not divisible by num_heads={v.num_heads}")
+  side = math.isqrt(v.tokens_per_image)
+  grid = v.image_size // v.patch_size
+  check(side * side == v.tokens_per_image and grid % side == 0, "tokens_per_image",
+        f"must be a square whose side divides the {grid} x {grid} patch grid, got "
+        f"{v.tokens_per_image}")
+  # Then a span's tokens are all within each other's window, as transformers has it.
+  check(v.tokens_per_image <= m.sliding_window, "tokens_per_image",
+        f"an image span must fit in the local window: {v.tokens_per_image} > "
+        f"sliding_window={m.sliding_window}")
+  check(v.activation in ACTIVATIONS, "activation",
+        f"unknown activation {v.activation!r}; known: {tuple(ACTIVATIONS)}")
+  check(v.layer_norm_eps > 0, "layer_norm_eps", f"must be positive, got {v.layer_norm_eps}")
+  ids = ("boi_token_id", "eoi_token_id", "image_token_id", "double_newline_token_id")
+  for i, field in enumerate(ids):
+    check(isinstance(v[field], int) and 0 <= v[field] < m.vocab_size, field,
+          f"{v[field]!r} is outside the vocabulary [0, vocab_size={m.vocab_size})")
+    for other in ids[:i]:
+      check(v[field] != v[other], field, f"equals {other} ({v[other]}); the ids must differ")
 
 
 def _validate_training(config: config_dict.ConfigDict) -> None:
@@ -270,3 +416,4 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
   integer("sample.max_new_tokens", 0)
   number("sample.temperature", "[0, inf)")
   integer("sample.top_k", 0)
+  number("sample.top_p", "(0, 1]")

@@ -1,7 +1,8 @@
 """The decoder: embed -> scanned blocks of layers -> final norm -> logits.
 
-The attention pattern (e.g. 5 local, 1 global) repeats every `len(pattern)` layers;
-one period is a `Block`. With `scan_layers` the first `num_layers // period` blocks
+The attention pattern (e.g. 5 local, 1 global) repeats every `len(pattern)` layers
+(`final_layer_global` makes the last layer global whatever the pattern says); one
+period is a `Block`. With `scan_layers` the first `num_layers // period` blocks
 run under `nn.scan` (parameters stacked on a leading "layers" axis, compile time
 independent of depth) and the remaining `num_layers % period` layers run unscanned.
 Without it every layer is unrolled. Parameter names:
@@ -13,7 +14,7 @@ Without it every layer is unrolled. Parameter names:
 `stack_layers` / `unstack_layers` convert between the two.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -23,16 +24,52 @@ from ml_collections import config_dict
 
 from gemma_jax import remat
 from gemma_jax.layers.attention import attention_mask, softcap
-from gemma_jax.layers.embed import Embed
-from gemma_jax.layers.norms import RMSNorm
+from gemma_jax.layers.embed import Embed, sinusoidal
+from gemma_jax.layers.linear import Linear
 from gemma_jax.models.gemma3 import Gemma3Layer
+from gemma_jax.models.gemma4 import Gemma4Layer
+from gemma_jax.models.gpt3 import Gpt3Layer
+from gemma_jax.models.parallel import ParallelLayer
+from gemma_jax.models import vision
 
-LAYERS = {"gemma3": Gemma3Layer}
+LAYERS = {"gemma3": Gemma3Layer, "gemma4": Gemma4Layer, "gpt3": Gpt3Layer,
+          "parallel": ParallelLayer}
+
+
+def layer_types(config: config_dict.ConfigDict) -> Tuple[str, ...]:
+  """The attention type of every layer: the pattern repeated, the last layer global
+  when `final_layer_global`."""
+  pattern = config.attention_pattern
+  types = [pattern[i % len(pattern)] for i in range(config.num_layers)]
+  if config.final_layer_global:
+    types[-1] = "global"
+  return tuple(types)
 
 
 def scanned_block_count(config: config_dict.ConfigDict) -> int:
-  """How many whole pattern periods run under nn.scan (0 when unrolled)."""
-  return config.num_layers // len(config.attention_pattern) if config.scan_layers else 0
+  """How many whole pattern periods run under nn.scan (0 when unrolled): those whose
+  layers all have the pattern's types."""
+  if not config.scan_layers:
+    return 0
+  period = len(config.attention_pattern)
+  n_blocks = config.num_layers // period
+  if n_blocks and layer_types(config)[n_blocks * period - 1] != config.attention_pattern[-1]:
+    n_blocks -= 1
+  return n_blocks
+
+
+def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
+                span_ids: Optional[jax.Array] = None) -> dict:
+  """{attention type: [B, T, T] mask} for the types present; spans are bidirectional
+  only in `bidirectional_span_types`."""
+  index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+  masks = {}
+  for kind in sorted(set(layer_types(config))):
+    spans = span_ids if kind in config.bidirectional_span_types else None
+    masks[kind] = attention_mask(index, index, segment_ids, segment_ids, q_spans=spans,
+                                 kv_spans=spans,
+                                 window=config.sliding_window if kind == "local" else None)
+  return masks
 
 
 def _with_remat(module_cls, config, prevent_cse):
@@ -56,7 +93,13 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-  """tokens [B, T] -> logits [B, T, V] (float32).
+  """tokens [B, T] -> logits [B, T, V] (float32 unless `cast_logits_to_float32` is off).
+
+  Embedding: the token table (x sqrt(D) with `scale_embeddings`), plus the sinusoidal
+  embedding of the positions and/or a learned [trainable_position_size, D] table
+  `position_embed`. Logits: the tied token table, or a [D, V] kernel `logits`.
+  With `vision.enabled`, the `vision` tower turns images into soft tokens that replace
+  the embeddings of the image placeholder ids.
 
   Attributes:
     config: the model section of the config.
@@ -67,27 +110,46 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-               span_ids: Optional[jax.Array] = None) -> jax.Array:
-    """tokens, positions, segment_ids, span_ids: [B, T] -> [B, T, V]."""
+               span_ids: Optional[jax.Array] = None,
+               masks: Optional[dict] = None,
+               images: Optional[jax.Array] = None) -> jax.Array:
+    """tokens, positions, segment_ids, span_ids: [B, T] -> [B, T, V].
+
+    images: [B, I, S, S, C] normalised pixels (`vision.enabled`); row b's soft tokens
+      replace its image placeholders in order, images past its last span are padding.
+
+    masks: {attention type: [B, T, S] mask, or an `attention.Prefill` / `Decode` cache
+      access} replacing the masks built from segment_ids and span_ids (decoding; the
+      layers' caches are then the "cache" collection, see `gemma_jax.inference.decoding`).
+    """
     c = self.config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    embed = Embed(c.vocab_size, c.d_model, dtype=dtype, param_dtype=param_dtype, name="embed")
+    embed = Embed(c.vocab_size, c.d_model, scale_by_sqrt_dim=c.scale_embeddings, dtype=dtype,
+                  param_dtype=param_dtype, name="embed")
     x = embed.encode(tokens)
+    if c.vision.enabled:
+      tower = vision.VisionTower(c.vision, c.d_model, dtype, param_dtype, c.scan_layers,
+                                 c.remat_policy, name="vision")
+      if images is not None:
+        x = vision.merge_soft_tokens(x, tokens, tower(images), c.vision.image_token_id)
+      elif self.is_initializing():   # creates the tower's parameters; the output is unused
+        v = c.vision
+        tower(jnp.zeros((1, v.image_size, v.image_size, v.num_channels), dtype))
+    if c.sinusoidal_position_embedding:
+      x = x + sinusoidal(positions, c.d_model).astype(dtype)
+    if c.trainable_position_size:
+      x = x + Embed(c.trainable_position_size, c.d_model, scale_by_sqrt_dim=False, dtype=dtype,
+                    param_dtype=param_dtype, name="position_embed").encode(positions)
 
-    index = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    masks = {
-        kind: attention_mask(index, index, segment_ids, segment_ids, q_spans=span_ids,
-                             kv_spans=span_ids,
-                             window=c.sliding_window if kind == "local" else None)
-        for kind in set(c.attention_pattern)
-    }
+    if masks is None:
+      masks = layer_masks(c, segment_ids, span_ids)
 
     period = len(c.attention_pattern)
     n_blocks = scanned_block_count(c)
     if n_blocks:
       blocks = nn.scan(
           _with_remat(Block, c, prevent_cse=False),
-          variable_axes={"params": 0, "intermediates": 0},
+          variable_axes={"params": 0, "intermediates": 0, "cache": 0},
           split_rngs={"params": True, "dropout": True},
           in_axes=(nn.broadcast, nn.broadcast),
           length=n_blocks,
@@ -95,20 +157,27 @@ class Decoder(nn.Module):
       )(c, self.deterministic, name="blocks")
       x, _ = blocks(x, positions, masks)
     layer_cls = _with_remat(LAYERS[c.block_type], c, prevent_cse=True)
+    types = layer_types(c)
     for i in range(n_blocks * period, c.num_layers):
-      layer = layer_cls(c, c.attention_pattern[i % period], self.deterministic,
-                        name=f"layers_{i}")
-      x = layer(x, positions, masks)
+      x = layer_cls(c, types[i], self.deterministic, name=f"layers_{i}")(x, positions, masks)
 
-    x = RMSNorm(c.norm_eps, param_dtype=param_dtype, name="final_norm")(x)
-    logits = embed.attend(x).astype(jnp.float32)
+    x = LAYERS[c.block_type].make_norm(c, "final_norm")(x)
+    if c.logits_via_embedding:
+      logits = embed.attend(x)
+    else:
+      logits = Linear((c.vocab_size,), ("embed", "vocab"), dtype=dtype, param_dtype=param_dtype,
+                      name="logits")(x)
+    if c.cast_logits_to_float32:
+      logits = logits.astype(jnp.float32)
     logits = softcap(logits, c.final_logit_softcap)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
 def unstack_layers(params: dict, config: config_dict.ConfigDict) -> dict:
-  """Scanned parameter tree -> one entry `layers_{i}` per layer."""
+  """Scanned parameter tree -> one entry `layers_{i}` per layer (the vision tower's too)."""
   params = dict(params)
+  if "vision" in params:
+    params["vision"] = vision.unstack_layers(params["vision"])
   blocks = params.pop("blocks", None)
   if blocks is None:
     return params
@@ -130,11 +199,13 @@ def _stack(*arrays):
 
 def stack_layers(params: dict, config: config_dict.ConfigDict) -> dict:
   """`layers_{i}` parameter tree -> the layout `config.scan_layers` asks for."""
+  params = dict(params)
+  if "vision" in params and config.scan_layers:
+    params["vision"] = vision.stack_layers(params["vision"], config.vision.num_layers)
   n_blocks = scanned_block_count(config)
   if not n_blocks:
-    return dict(params)
+    return params
   period = len(config.attention_pattern)
-  params = dict(params)
   layer = lambda i: params.pop(f"layers_{i}")
   per_block = [[layer(b * period + j) for j in range(period)] for b in range(n_blocks)]
   params["blocks"] = {

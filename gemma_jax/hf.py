@@ -3,18 +3,23 @@
     config, params = gemma_jax.hf.load("path/to/save_pretrained_dir")
     gemma_jax.hf.save("out_dir", config, params)   # transformers' from_pretrained reads it
 
-Reads `Gemma3ForCausalLM` checkpoints and the text part of
-`Gemma3ForConditionalGeneration` ones (transformers 4 and 5 name layouts). Linear
-weights are stored [out, in] there and [in..., out...] here; everything else is
-copied. Parameters come back as host numpy arrays in the config's `param_dtype`.
+Reads `Gemma3ForCausalLM` and `Gemma4ForCausalLM` checkpoints (Gemma 4 dense and
+mixture-of-experts), `Gemma3ForConditionalGeneration` ones whole (the vision tower and
+projector through `gemma_jax.hf_vision`; a model with `vision.enabled` saves as one) and
+the text part of `Gemma4ForConditionalGeneration` (transformers 4 and 5 name layouts). Linear weights are stored [..., out, in] there and
+[..., in..., out...] here; everything else is copied. Parameters come back as host
+numpy arrays in the config's `param_dtype`. GPT-2 checkpoints (`GPT2LMHeadModel`,
+`GPT2Model`) load into the GPT-3 block and a GPT-3 model saves as one; their mapping is
+`gemma_jax.hf_gpt2`.
 """
 
+import functools
 import json
 import os
 import re
 import shutil
 import tempfile
-from typing import Dict, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import flax
 import jax
@@ -22,39 +27,70 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
+from gemma_jax import hf_vision
 from gemma_jax import safetensors_io
-from gemma_jax.decoder import stack_layers, unstack_layers
+from gemma_jax.decoder import layer_types, stack_layers, unstack_layers
 from gemma_jax.transformer import transform
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu",
                 "relu": "relu"}
 _ATTENTION_TYPES = {"sliding_attention": "local", "full_attention": "global"}
+_HF_ATTENTION_TYPES = {v: k for k, v in _ATTENTION_TYPES.items()}
+# model_type of a text config -> (our block type, the causal LM class it saves as).
+_FAMILIES = {"gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
+             "gemma4_text": ("gemma4", "Gemma4ForCausalLM")}
+_MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
-# Our parameter path (below one layer) -> (transformers name, contracted input dims
-# for a linear weight, None for a vector copied as is).
+
+class _Tensor(NamedTuple):
+  """Where one of our parameters lives in transformers' layout."""
+  name: str                      # below the text model (and below "layers.{i}." for a layer)
+  in_dims: Optional[int] = None  # a linear weight's contracted dims; None: copied as is
+  lead: int = 0                  # leading dims that stay in place (the expert axis)
+  part: Tuple[int, int] = (0, 1)  # (index, count): this slice of the stored output dim
+
+
+# Our parameter path below one layer -> where transformers keeps it.
 _LAYER_NAMES = {
-    ("attn", "q", "kernel"): ("self_attn.q_proj.weight", 1),
-    ("attn", "k", "kernel"): ("self_attn.k_proj.weight", 1),
-    ("attn", "v", "kernel"): ("self_attn.v_proj.weight", 1),
-    ("attn", "out", "kernel"): ("self_attn.o_proj.weight", 2),
-    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", None),
-    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", None),
-    ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", 1),
-    ("mlp", "up", "kernel"): ("mlp.up_proj.weight", 1),
-    ("mlp", "down", "kernel"): ("mlp.down_proj.weight", 1),
-    ("pre_attn_norm", "scale"): ("input_layernorm.weight", None),
-    ("post_attn_norm", "scale"): ("post_attention_layernorm.weight", None),
-    ("pre_mlp_norm", "scale"): ("pre_feedforward_layernorm.weight", None),
-    ("post_mlp_norm", "scale"): ("post_feedforward_layernorm.weight", None),
+    ("attn", "q", "kernel"): _Tensor("self_attn.q_proj.weight", 1),
+    ("attn", "k", "kernel"): _Tensor("self_attn.k_proj.weight", 1),
+    ("attn", "v", "kernel"): _Tensor("self_attn.v_proj.weight", 1),
+    ("attn", "out", "kernel"): _Tensor("self_attn.o_proj.weight", 2),
+    ("attn", "q_norm", "scale"): _Tensor("self_attn.q_norm.weight"),
+    ("attn", "k_norm", "scale"): _Tensor("self_attn.k_norm.weight"),
+    ("mlp", "gate", "kernel"): _Tensor("mlp.gate_proj.weight", 1),
+    ("mlp", "up", "kernel"): _Tensor("mlp.up_proj.weight", 1),
+    ("mlp", "down", "kernel"): _Tensor("mlp.down_proj.weight", 1),
+    ("pre_attn_norm", "scale"): _Tensor("input_layernorm.weight"),
+    ("post_attn_norm", "scale"): _Tensor("post_attention_layernorm.weight"),
+    ("pre_mlp_norm", "scale"): _Tensor("pre_feedforward_layernorm.weight"),
+    ("post_mlp_norm", "scale"): _Tensor("post_feedforward_layernorm.weight"),
+    # Gemma 4.
+    ("layer_scalar",): _Tensor("layer_scalar"),
+    ("moe", "shared", "gate", "kernel"): _Tensor("mlp.gate_proj.weight", 1),
+    ("moe", "shared", "up", "kernel"): _Tensor("mlp.up_proj.weight", 1),
+    ("moe", "shared", "down", "kernel"): _Tensor("mlp.down_proj.weight", 1),
+    ("moe", "pre_shared_norm", "scale"): _Tensor("pre_feedforward_layernorm.weight"),
+    ("moe", "post_shared_norm", "scale"): _Tensor("post_feedforward_layernorm_1.weight"),
+    ("moe", "pre_routed_norm", "scale"): _Tensor("pre_feedforward_layernorm_2.weight"),
+    ("moe", "post_routed_norm", "scale"): _Tensor("post_feedforward_layernorm_2.weight"),
+    ("moe", "router", "proj", "kernel"): _Tensor("router.proj.weight", 1),
+    ("moe", "router", "scale"): _Tensor("router.scale"),
+    ("moe", "router", "per_expert_scale"): _Tensor("router.per_expert_scale"),
+    ("moe", "experts", "gate"): _Tensor("experts.gate_up_proj", 1, lead=1, part=(0, 2)),
+    ("moe", "experts", "up"): _Tensor("experts.gate_up_proj", 1, lead=1, part=(1, 2)),
+    ("moe", "experts", "down"): _Tensor("experts.down_proj", 1, lead=1),
 }
 _TOP_NAMES = {
-    ("embed", "embedding"): ("embed_tokens.weight", None),
-    ("final_norm", "scale"): ("norm.weight", None),
+    ("embed", "embedding"): _Tensor("embed_tokens.weight"),
+    ("final_norm", "scale"): _Tensor("norm.weight"),
 }
 # Where the text model sits in each checkpoint layout, and what else may be there.
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-_OTHER_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
-                   "multi_modal_projector.")
+# (SigLIP's attention-pooling head, "vision_use_head", is never run by Gemma 3.)
+_OTHER_PREFIXES = ("model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
+                   "model.vision_tower.head.", "model.vision_tower.vision_model.head.",
+                   "vision_tower.head.", "vision_tower.vision_model.head.")
 _LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
@@ -62,12 +98,12 @@ class CheckpointError(ValueError):
   """A checkpoint's tensors do not fit the model its config describes."""
 
 
-def _hf_name(path: Tuple[str, ...]) -> Tuple[str, object]:
-  """Our unrolled parameter path -> (transformers name below the text model, in_dims)."""
+def _hf_tensor(path: Tuple[str, ...]) -> _Tensor:
+  """Our unrolled parameter path -> where transformers keeps it (name below the text model)."""
   match = re.fullmatch(r"layers_(\d+)", path[0])
   if match:
-    name, in_dims = _LAYER_NAMES[path[1:]]
-    return f"layers.{match.group(1)}.{name}", in_dims
+    tensor = _LAYER_NAMES[path[1:]]
+    return tensor._replace(name=f"layers.{match.group(1)}.{tensor.name}")
   return _TOP_NAMES[path]
 
 
@@ -75,40 +111,88 @@ def _hf_name(path: Tuple[str, ...]) -> Tuple[str, object]:
 
 
 def _text_config(hf: dict) -> dict:
-  if hf.get("model_type") == "gemma3":
+  model_type = hf.get("model_type")
+  if model_type in _MULTIMODAL:
     return hf["text_config"]
-  if hf.get("model_type") != "gemma3_text":
-    raise CheckpointError(f"unsupported model_type {hf.get('model_type')!r}: this reader "
-                          "knows gemma3_text and gemma3")
+  if model_type not in _FAMILIES:
+    raise CheckpointError(f"unsupported model_type {model_type!r}: this reader knows "
+                          f"{sorted(_FAMILIES) + sorted(_MULTIMODAL)}")
   return hf
 
 
-def _rope(text: dict, layer_type: str, legacy_theta: str) -> Tuple[float, float]:
-  """(base, linear scale) of one layer type, from either config generation."""
+def _rope(text: dict, layer_type: str, legacy_theta: str) -> Tuple[float, float, float]:
+  """(base, linear scale, rotated fraction) of one layer type, from either config generation."""
   params = (text.get("rope_parameters") or {}).get(layer_type)
   if params is None:  # transformers 4: rope_theta / rope_local_base_freq / rope_scaling
     params = {"rope_theta": text[legacy_theta], "rope_type": "default"}
     if layer_type == "full_attention" and text.get("rope_scaling"):
       params.update(text["rope_scaling"])
   kind = params.get("rope_type", params.get("type", "default"))
-  if kind not in ("default", "linear"):
+  if kind not in ("default", "linear", "proportional"):
     raise CheckpointError(f"rope_parameters[{layer_type}]: unsupported rope_type {kind!r}")
-  return float(params["rope_theta"]), float(params.get("factor", 1.0)) if kind == "linear" else 1.0
+  scale = float(params.get("factor", 1.0)) if kind != "default" else 1.0
+  fraction = float(params.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0
+  return float(params["rope_theta"]), scale, fraction
 
 
-def _pattern(layer_types) -> Tuple[str, ...]:
-  """The shortest period that repeats to give every layer its type."""
-  kinds = [_ATTENTION_TYPES[t] for t in layer_types]
+def _pattern(kinds, last_exempt: bool = False) -> Tuple[str, ...]:
+  """The shortest period that repeats to give every layer its type. With `last_exempt`
+  the last layer (global) need not follow it, and the period ends with a global layer."""
+  body = kinds[:-1] if last_exempt else kinds
   for period in range(1, len(kinds) + 1):
-    if all(k == kinds[i % period] for i, k in enumerate(kinds)):
-      return tuple(kinds[:period])
+    pattern = kinds[:period]
+    if last_exempt and pattern[-1] != kinds[-1]:
+      continue
+    if all(k == pattern[i % period] for i, k in enumerate(body)):
+      return tuple(pattern)
   raise AssertionError("unreachable: the full list is its own period")
+
+
+def _gemma4_fields(text: dict, kinds) -> dict:
+  """Our Gemma 4 model fields from its transformers text config."""
+  unsupported = (("hidden_size_per_layer_input", 0), ("num_kv_shared_layers", 0),
+                 ("use_double_wide_mlp", False))
+  for field, ok in unsupported:
+    if text.get(field) not in (None, ok):
+      raise CheckpointError(f"config.json: {field}={text[field]} is not supported")
+  if text.get("use_bidirectional_attention") not in (None, "vision"):
+    raise CheckpointError(f"config.json: use_bidirectional_attention="
+                          f"{text['use_bidirectional_attention']!r} is not supported")
+  global_layers = [i for i, kind in enumerate(kinds) if kind == "global"]
+  if "per_layer_config" in text:   # transformers 5: what differs, layer by layer
+    per_layer = {int(i): v for i, v in (text["per_layer_config"] or {}).items()}
+    override = per_layer.get(global_layers[0], {}) if global_layers else {}
+    if set(per_layer) - set(global_layers) or any(
+        per_layer.get(i, {}) != override for i in global_layers):
+      raise CheckpointError("config.json: per_layer_config must override every global "
+                            "layer alike and no other layer")
+    extra = set(override) - {"head_dim", "num_key_value_heads"}
+    if extra:
+      raise CheckpointError(f"config.json: per_layer_config overrides {sorted(extra)}")
+    head_dim = override.get("head_dim", text["head_dim"])
+    kv_heads = override.get("num_key_value_heads", text["num_key_value_heads"])
+  else:   # the published form; transformers' defaults
+    head_dim = text.get("global_head_dim", 512) or text["head_dim"]
+    kv_heads = ((text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"))
+                or text["num_key_value_heads"])
+  fields = dict(
+      norm_plus_one=False, use_value_norm=True, query_pre_attn_scalar=1.0,
+      final_layer_global=True, bidirectional_span_types=("local",),
+      global_head_dim=head_dim if global_layers else None,
+      global_num_kv_heads=kv_heads if global_layers else None,
+      global_k_eq_v=bool(text.get("attention_k_eq_v")))
+  if text.get("enable_moe_block"):
+    fields.update(num_experts=text["num_experts"], experts_per_token=text["top_k_experts"],
+                  expert_mlp_dim=text["moe_intermediate_size"])
+  return fields
 
 
 def config_from_hf(hf: dict) -> config_dict.ConfigDict:
   """A transformers config.json (as a dict) -> our full config."""
   text = _text_config(hf)
-  for field, ok in (("attention_bias", False), ("use_bidirectional_attention", False)):
+  block_type = _FAMILIES[text.get("model_type", _MULTIMODAL.get(hf["model_type"]))][0]
+  for field, ok in (("attention_bias", False),) + (
+      (("use_bidirectional_attention", False),) if block_type == "gemma3" else ()):
     if text.get(field, ok) != ok:
       raise CheckpointError(f"config.json: {field}={text[field]} is not supported")
   if not text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True)):
@@ -116,59 +200,132 @@ def config_from_hf(hf: dict) -> config_dict.ConfigDict:
   if text["hidden_activation"] not in _ACTIVATIONS:
     raise CheckpointError(f"config.json: unknown hidden_activation {text['hidden_activation']!r}")
   n_layers = text["num_hidden_layers"]
-  layer_types = text.get("layer_types") or [
+  hf_types = text.get("layer_types") or [
       "full_attention" if (i + 1) % text.get("sliding_window_pattern", 6) == 0
       else "sliding_attention" for i in range(n_layers)]
-  local_base, local_scale = _rope(text, "sliding_attention", "rope_local_base_freq")
-  global_base, global_scale = _rope(text, "full_attention", "rope_theta")
+  kinds = [_ATTENTION_TYPES[t] for t in hf_types]
+  local = _rope(text, "sliding_attention", "rope_local_base_freq")
+  global_ = _rope(text, "full_attention", "rope_theta")
   config = config_lib.default_config()
   config.model.update(dict(
-      name="hf", block_type="gemma3", vocab_size=text["vocab_size"],
+      name="hf", block_type=block_type, vocab_size=text["vocab_size"],
       d_model=text["hidden_size"], num_layers=n_layers,
       num_heads=text["num_attention_heads"], num_kv_heads=text["num_key_value_heads"],
       head_dim=text["head_dim"], mlp_dim=text["intermediate_size"],
       activation=_ACTIVATIONS[text["hidden_activation"]],
-      attention_pattern=_pattern(layer_types), sliding_window=text["sliding_window"],
-      rope_local_base=local_base, rope_local_scale=local_scale,
-      rope_global_base=global_base, rope_global_scale=global_scale,
-      query_pre_attn_scalar=float(text["query_pre_attn_scalar"]),
+      attention_pattern=_pattern(kinds, last_exempt=block_type == "gemma4"),
+      sliding_window=text["sliding_window"],
+      rope_local_base=local[0], rope_local_scale=local[1], rope_local_fraction=local[2],
+      rope_global_base=global_[0], rope_global_scale=global_[1],
+      rope_global_fraction=global_[2],
       # transformers' Gemma 3 stores attn_logit_softcapping but never applies it;
       # we compute what it computes.
       attn_logit_softcap=None,
       final_logit_softcap=text.get("final_logit_softcapping"),
       norm_eps=text["rms_norm_eps"]))
+  if block_type == "gemma3":
+    config.model.query_pre_attn_scalar = float(text["query_pre_attn_scalar"])
+  else:
+    config.model.update(_gemma4_fields(text, kinds))
+  if hf.get("model_type") == "gemma3" and hf.get("vision_config"):
+    try:
+      config.model.vision.update(hf_vision.config_from_hf(hf, _ACTIVATIONS))
+    except ValueError as error:
+      raise CheckpointError(f"config.json: {error}") from None
   return config
 
 
+def _architecture(m: config_dict.ConfigDict) -> dict:
+  """The model fields that decide its function (effective values), by config field name."""
+  types = layer_types(m)
+  arch = {f: m[f] for f in (
+      "block_type", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+      "head_dim", "mlp_dim", "activation", "attn_logit_softcap", "final_logit_softcap",
+      "norm_eps", "use_qk_norm", "use_post_attn_norm", "use_post_ffw_norm", "norm_plus_one",
+      "use_value_norm", "num_experts")}
+  arch["attention_pattern"] = types
+  arch["vision"] = ({k: v for k, v in m.vision.items() if k != "double_newline_token_id"}
+                    if m.vision.enabled else None)
+  head_dims = {"local": m.head_dim, "global": m.global_head_dim or m.head_dim}
+  arch["query_pre_attn_scalar"] = tuple(m.query_pre_attn_scalar or head_dims[kind]
+                                        for kind in sorted(set(types)))
+  for kind in set(types):
+    for what in ("base", "scale", "fraction"):
+      arch[f"rope_{kind}_{what}"] = m[f"rope_{kind}_{what}"]
+  if "local" in types:
+    arch["sliding_window"] = m.sliding_window
+  if "global" in types:
+    arch["global_num_kv_heads"] = m.global_num_kv_heads or m.num_kv_heads
+    arch["global_head_dim"] = head_dims["global"]
+    arch["global_k_eq_v"] = m.global_k_eq_v
+  if m.num_experts:
+    arch.update(experts_per_token=m.experts_per_token, expert_mlp_dim=m.expert_mlp_dim)
+  return arch
+
+
+def _hf_rope(m: config_dict.ConfigDict, kind: str) -> dict:
+  base, scale, fraction = (m[f"rope_{kind}_{what}"] for what in ("base", "scale", "fraction"))
+  if fraction != 1.0:
+    return {"rope_type": "proportional", "rope_theta": base, "partial_rotary_factor": fraction,
+            **({"factor": scale} if scale != 1.0 else {})}
+  if scale != 1.0:
+    return {"rope_type": "linear", "rope_theta": base, "factor": scale}
+  return {"rope_type": "default", "rope_theta": base}
+
+
 def config_to_hf(config: config_dict.ConfigDict) -> dict:
-  """Our config -> a transformers `Gemma3ForCausalLM` config.json dict."""
+  """Our config -> a transformers `Gemma3ForCausalLM` / `Gemma4ForCausalLM` config.json dict.
+
+  Raises CheckpointError naming the first model field transformers' class would read
+  back differently (e.g. Gemma 3 applies no attention soft cap).
+  """
   m = config.model
-  if m.block_type != "gemma3" or m.rope_local_fraction != 1.0 or m.rope_global_fraction != 1.0:
-    raise CheckpointError("config.model: only Gemma 3 text models with full-width RoPE "
-                          "have a transformers Gemma3ForCausalLM layout")
-  if m.attn_logit_softcap is not None:
-    raise CheckpointError("config.model.attn_logit_softcap: transformers' Gemma 3 does not "
-                          "apply an attention soft cap, so it cannot represent this model")
-  rope = lambda kind: {"rope_type": "linear" if m[f"rope_{kind}_scale"] != 1.0 else "default",
-                       "rope_theta": m[f"rope_{kind}_base"],
-                       **({"factor": m[f"rope_{kind}_scale"]}
-                          if m[f"rope_{kind}_scale"] != 1.0 else {})}
-  scalar = m.query_pre_attn_scalar or m.head_dim
-  return {
-      "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+  model_type = {v[0]: k for k, v in _FAMILIES.items()}[m.block_type]
+  types = layer_types(m)
+  hf = {
+      "architectures": [_FAMILIES[model_type][1]], "model_type": model_type,
       "vocab_size": m.vocab_size, "hidden_size": m.d_model, "intermediate_size": m.mlp_dim,
       "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
       "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
       "hidden_activation": {v: k for k, v in _ACTIVATIONS.items()}[m.activation],
-      "layer_types": [{v: k for k, v in _ATTENTION_TYPES.items()}[
-          m.attention_pattern[i % len(m.attention_pattern)]] for i in range(m.num_layers)],
+      "layer_types": [_HF_ATTENTION_TYPES[kind] for kind in types],
       "sliding_window": m.sliding_window,
-      "rope_parameters": {"sliding_attention": rope("local"), "full_attention": rope("global")},
-      "query_pre_attn_scalar": int(scalar) if float(scalar).is_integer() else scalar,
+      "rope_parameters": {"sliding_attention": _hf_rope(m, "local"),
+                          "full_attention": _hf_rope(m, "global")},
       "final_logit_softcapping": m.final_logit_softcap,
       "rms_norm_eps": m.norm_eps, "tie_word_embeddings": True, "attention_bias": False,
       "dtype": m.param_dtype,
   }
+  if m.block_type == "gemma3":
+    if m.rope_local_fraction != 1.0 or m.rope_global_fraction != 1.0:
+      raise CheckpointError("config.model.rope_global_fraction: transformers' Gemma 3 "
+                            "rotates the whole head dim")
+    scalar = m.query_pre_attn_scalar or m.head_dim
+    hf["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
+  else:
+    hf.update({
+        "attention_k_eq_v": m.global_k_eq_v, "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0, "enable_moe_block": bool(m.num_experts),
+        "num_experts": m.num_experts or None,
+        "top_k_experts": m.experts_per_token if m.num_experts else None,
+        "moe_intermediate_size": m.expert_mlp_dim or None,
+        "per_layer_config": {
+            str(i): {"head_dim": m.global_head_dim or m.head_dim,
+                     "num_key_value_heads": m.global_num_kv_heads or m.num_kv_heads}
+            for i, kind in enumerate(types) if kind == "global"}})
+  if m.vision.enabled:   # the text config goes inside the multimodal one
+    text = dict(hf, model_type="gemma3_text")
+    del text["architectures"]
+    hf = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+              text_config=text, tie_word_embeddings=True, dtype=m.param_dtype,
+              **hf_vision.config_to_hf(m.vision, {v: k for k, v in _ACTIVATIONS.items()}))
+  ours, theirs = _architecture(m), _architecture(config_from_hf(hf).model)
+  for field, value in ours.items():
+    if theirs.get(field) != value:
+      raise CheckpointError(
+          f"config.model.{field}: transformers' {hf['architectures'][0]} cannot represent "
+          f"{value!r} (it would read {theirs.get(field)!r})")
+  return hf
 
 
 # ----------------------------------------------------------------------------- weights
@@ -190,17 +347,89 @@ def _read_tensors(path: str) -> Dict[str, np.ndarray]:
 
 
 def _text_tensors(tensors: Dict[str, np.ndarray]) -> Tuple[Dict[str, np.ndarray], list]:
-  """Names below the text model -> tensors; plus the names that belong nowhere."""
+  """Names below the text model, and Gemma 3's vision tensors by their canonical names
+  (`hf_vision.canonical_name`) -> tensors; plus the names that belong nowhere."""
   text, unexpected = {}, []
   for name, value in tensors.items():
     if name in _LM_HEADS or name.startswith(_OTHER_PREFIXES):
       continue
     prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-    if prefix is None:
+    if hf_vision.canonical_name(name):
+      text[hf_vision.canonical_name(name)] = value
+    elif prefix is None:
       unexpected.append(name)
     else:
       text[name[len(prefix):]] = value
   return text, unexpected
+
+
+def _from_hf(value: np.ndarray, tensor: _Tensor, shape: Tuple[int, ...]):
+  """A stored tensor -> our parameter of `shape`, or a message saying why it does not fit."""
+  if tensor.in_dims is None:
+    return value if value.shape == shape else f"{value.shape} != expected {shape}"
+  index, count = tensor.part
+  fits = (value.ndim == tensor.lead + 2 and value.shape[:tensor.lead] == shape[:tensor.lead]
+          and value.shape[-2] % count == 0 and value.size == count * np.prod(shape))
+  if not fits:
+    return f"{value.shape} does not fit {shape}"
+  rows = value.shape[-2] // count
+  return np.swapaxes(value[..., index * rows:(index + 1) * rows, :], -1, -2).reshape(shape)
+
+
+def _to_hf(value: np.ndarray, path: Tuple[str, ...],
+           text_prefix: str = "model.") -> Tuple[str, int, np.ndarray]:
+  """Our parameter -> (its stored name, which part of it, the stored part); the text
+  model's names start with `text_prefix`."""
+  if path[0] == "vision":
+    name, value = hf_vision.to_hf(value, path[1:])
+    return name, 0, value
+  tensor = _hf_tensor(path)
+  if tensor.in_dims is not None:
+    lead = value.shape[:tensor.lead]
+    inputs = int(np.prod(value.shape[tensor.lead:tensor.lead + tensor.in_dims]))
+    value = np.swapaxes(value.reshape(lead + (inputs, -1)), -1, -2)
+  return text_prefix + tensor.name, tensor.part[0], value
+
+
+class _Family(NamedTuple):
+  """How one transformers family's checkpoints map onto our parameters (paths unrolled)."""
+  config_from_hf: Callable[[dict], config_dict.ConfigDict]
+  config_to_hf: Callable[[config_dict.ConfigDict], dict]
+  # A file's tensors -> (tensors by name below the model, names that belong nowhere).
+  model_tensors: Callable[[Dict[str, np.ndarray]], Tuple[Dict[str, np.ndarray], list]]
+  tensor_name: Callable[[Tuple[str, ...]], str]          # our path -> name below the model
+  # (stored tensor, our path, our shape) -> our parameter, or why it does not fit.
+  from_hf: Callable[[np.ndarray, Tuple[str, ...], Tuple[int, ...]], Union[np.ndarray, str]]
+  # (our parameter, our path) -> (stored name, part index, stored part).
+  to_hf: Callable[[np.ndarray, Tuple[str, ...]], Tuple[str, int, np.ndarray]]
+
+
+def _gemma_tensor_name(path: Tuple[str, ...]) -> str:
+  if path[0] == "vision":
+    return hf_vision.tensor_name(path[1:])
+  return _hf_tensor(path).name
+
+
+def _gemma_from_hf(value: np.ndarray, path: Tuple[str, ...], shape: Tuple[int, ...]):
+  if path[0] == "vision":
+    return hf_vision.from_hf(value, path[1:], shape)
+  return _from_hf(value, _hf_tensor(path), shape)
+
+
+_GEMMA = _Family(
+    config_from_hf=config_from_hf, config_to_hf=config_to_hf, model_tensors=_text_tensors,
+    tensor_name=_gemma_tensor_name, from_hf=_gemma_from_hf, to_hf=_to_hf)
+# Gemma3ForConditionalGeneration's published layout: the text model below "language_model.".
+_GEMMA_MULTIMODAL = _GEMMA._replace(
+    to_hf=functools.partial(_to_hf, text_prefix="language_model.model."))
+
+
+def _family(gpt2: bool, multimodal: bool = False) -> _Family:
+  """GPT-2's mapping or Gemma's (text only, or with the vision tower)."""
+  if not gpt2:
+    return _GEMMA_MULTIMODAL if multimodal else _GEMMA
+  from gemma_jax import hf_gpt2  # pylint: disable=import-outside-toplevel  (it imports this module)
+  return _Family(*(getattr(hf_gpt2, field) for field in _Family._fields))
 
 
 def _unrolled_shapes(config: config_dict.ConfigDict) -> dict:
@@ -221,30 +450,29 @@ def load(path: str, *, param_dtype: str = "float32",
   """
   with open(os.path.join(path, "config.json")) as f:
     hf_config = json.load(f)
-  config = config_from_hf(hf_config)
+  family = _family(hf_config.get("model_type") == "gpt2")
+  config = family.config_from_hf(hf_config)
   config.model.param_dtype = param_dtype
   config.model.scan_layers = scan_layers
   config_lib.validate(config)
 
-  tensors, unexpected = _text_tensors(_read_tensors(path))
+  tensors, unexpected = family.model_tensors(_read_tensors(path))
+  if not config.model.vision.enabled:   # e.g. Gemma 4's tower: the text part is read
+    tensors = {k: v for k, v in tensors.items() if not hf_vision.canonical_name(k)}
   expected = flax.traverse_util.flatten_dict(_unrolled_shapes(config))
-  params, missing, mismatched = {}, [], []
+  params, missing, mismatched, used = {}, [], [], set()
   for key, shape in expected.items():
-    name, in_dims = _hf_name(key)
+    name = family.tensor_name(key)
     if name not in tensors:
-      missing.append(name)
+      missing += [] if name in missing else [name]
       continue
-    value = tensors.pop(name)
-    if in_dims is not None:
-      if value.ndim != 2 or value.size != np.prod(shape.shape):
-        mismatched.append(f"{name}: {value.shape} does not fit {shape.shape}")
-        continue
-      value = value.T.reshape(shape.shape)
-    elif value.shape != shape.shape:
-      mismatched.append(f"{name}: {value.shape} != expected {shape.shape}")
+    used.add(name)
+    value = family.from_hf(tensors[name], key, shape.shape)
+    if isinstance(value, str):
+      mismatched.append(f"{name}: {value}")
       continue
     params[key] = np.asarray(value, dtype=np.dtype(param_dtype))
-  unexpected += sorted(tensors)
+  unexpected += sorted(set(tensors) - used)
   problems = [f"missing tensors: {missing}" if missing else "",
               f"unexpected tensors: {unexpected}" if unexpected else "",
               f"shape mismatches: {mismatched}" if mismatched else ""]
@@ -259,15 +487,18 @@ def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
   The directory is written next to `path` and renamed into place when complete, so
   an existing checkpoint at `path` is only replaced by a whole one.
   """
-  hf_config = config_to_hf(config)
+  if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
+    raise CheckpointError(f"config.model.block_type: transformers has no layout for "
+                          f"{config.model.block_type!r}")
+  family = _family(config.model.block_type == "gpt3", config.model.vision.enabled)
+  hf_config = family.config_to_hf(config)
   flat = flax.traverse_util.flatten_dict(unstack_layers(params, config.model))
-  tensors = {}
+  parts = {}
   for key, value in flat.items():
-    name, in_dims = _hf_name(key)
-    value = np.asarray(jax.device_get(value))
-    if in_dims is not None:
-      value = value.reshape(int(np.prod(value.shape[:in_dims])), -1).T
-    tensors["model." + name] = value
+    name, part, value = family.to_hf(np.asarray(jax.device_get(value)), key)
+    parts.setdefault(name, {})[part] = value
+  tensors = {name: np.concatenate([p[i] for i in sorted(p)], axis=-2) if len(p) > 1 else p[0]
+             for name, p in parts.items()}
   parent = os.path.dirname(os.path.abspath(path))
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=".hf-save-", dir=parent)

@@ -5,8 +5,11 @@ shards from the sharding rules on a mesh of the requested shape (no devices need
 Activation bytes are an estimate: what the backward pass keeps per layer under the
 remat policy (the tensors the policy saves, plus each layer's input), one layer's
 full working set while it is recomputed, and the float32 logits and their gradient.
+
+Decoding caches (`cache_bytes`) are exact too: the shapes of what `prefill` returns.
 """
 
+import functools
 import math
 
 import flax
@@ -15,6 +18,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import sharding
+from gemma_jax.inference import decoding
 from gemma_jax.transformer import transform
 
 
@@ -76,3 +80,23 @@ def plan(config: config_dict.ConfigDict, num_devices: int, batch_size: int,
       "optimizer_state": 2 * params,           # AdamW: first and second moments
       "activations": activation_bytes_per_device(config, sizes, batch_size, seq_len),
   }
+
+
+def cache_bytes(config: config_dict.ConfigDict, batch_size: int, cache_length: int,
+                cache_dtype: str = "bfloat16") -> dict:
+  """Bytes of the decoding caches of `batch_size` rows covering `cache_length` positions
+  (keys, values and slot positions, all devices together): "cache" as built, local
+  layers holding only their window, and "full_length" with every layer holding the
+  whole context. Nothing is allocated."""
+
+  def total(config):
+    tokens = jax.ShapeDtypeStruct((batch_size, 1), np.int32)
+    params = jax.eval_shape(transform(config).init, jax.random.key(0), tokens)
+    prefill = functools.partial(decoding.make_decoding(config).prefill, cache_length=cache_length,
+                                cache_dtype=cache_dtype)
+    _, cache = jax.eval_shape(prefill, params, tokens)
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(cache))
+
+  full_length = config_dict.ConfigDict(config.to_dict())
+  full_length.model.sliding_window = cache_length
+  return {"cache": total(config), "full_length": total(full_length)}

@@ -1,7 +1,7 @@
 """Logical axes on a device mesh: the mesh from the config, one rules table, shardings.
 
 Every parameter and large activation names its axes (batch, length, embed, heads,
-kv_heads, head_dim, mlp, vocab, expert, layers, norm). `RULES` maps them onto the mesh
+kv_heads, head_dim, qkv, mlp, vocab, expert, layers, norm). `RULES` maps them onto the mesh
 axes (data, fsdp, tensor, expert). A mesh axis is used at most once per array and the
 first rule that can claim it wins (flax's semantics), so an activation's `embed` stays
 whole when `batch` already spans fsdp. Mesh axes of size 1 cost nothing, so the one
@@ -42,6 +42,7 @@ RULES = (
     ("expert", "expert"),
     ("length", None),
     ("head_dim", None),
+    ("qkv", None),
     ("layers", None),
     ("norm", None),
 )

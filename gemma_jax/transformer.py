@@ -3,12 +3,14 @@
     model = gemma_jax.transform(config)
     params = model.init(jax.random.key(0), tokens)     # a plain pytree of arrays
     logits = model.apply(params, tokens)               # [B, T, V] float32
+    logits, aux = model.apply(params, tokens, return_aux=True)   # + auxiliary outputs
 
 Both are jitted (compiled once per input shape) and compose with jax.jit, jax.grad
 and jax.vmap. Parameters carry logical axis names
 at init time (see `gemma_jax.sharding`); `init` returns them unboxed.
 """
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import flax.linen as nn
@@ -19,6 +21,8 @@ from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
 from gemma_jax.decoder import Decoder
+from gemma_jax.layers import activation_stats, moe
+from gemma_jax.models import vision
 
 
 class Transformed(NamedTuple):
@@ -78,29 +82,54 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
   def _init(rng, tokens, positions, segment_ids):
     return nn.meta.unbox(module(True).init(rng, tokens, positions, segment_ids)["params"])
 
-  @jax.jit
-  def _apply(params, tokens, positions, segment_ids, rng):
+  @functools.partial(jax.jit, static_argnames="return_aux")
+  def _apply(params, tokens, positions, segment_ids, images, rng, return_aux):
     rngs = None if rng is None else {"dropout": rng}
-    return module(rng is None).apply({"params": params}, tokens, positions, segment_ids,
-                                     rngs=rngs)
+    spans = (vision.image_span_ids(tokens, model_config.vision.image_token_id)
+             if model_config.vision.enabled else None)
+    run = functools.partial(module(rng is None).apply, {"params": params}, tokens, positions,
+                            segment_ids, spans, images=images, rngs=rngs)
+    if not return_aux:
+      return run()
+    logits, state = run(mutable=["intermediates"])
+    intermediates = state.get("intermediates", {})
+    aux = moe.summarize(intermediates)
+    if model_config.record_internal_nn_metrics:
+      aux["activation_stats"] = activation_stats.summarize(
+          intermediates, len(model_config.attention_pattern))
+    return logits, aux
 
   def init(rng: jax.Array, tokens: jax.Array, *, positions=None, segment_ids=None) -> dict:
     """rng: a PRNG key; tokens: [B, T] ids (only their shape matters) -> params."""
     return _init(rng, *inputs(tokens, positions, segment_ids))
 
   def apply(params: dict, tokens: jax.Array, *, positions: Optional[jax.Array] = None,
-            segment_ids: Optional[jax.Array] = None,
-            rng: Optional[jax.Array] = None) -> jax.Array:
-    """Logits [B, T, V] float32 for tokens [B, T].
+            segment_ids: Optional[jax.Array] = None, images: Optional[jax.Array] = None,
+            rng: Optional[jax.Array] = None, return_aux: bool = False):
+    """Logits [B, T, V] for tokens [B, T] (float32 unless the config's
+    `cast_logits_to_float32` is off); with `return_aux`, (logits, aux).
 
     Args:
       params: from `init` (or `gemma_jax.hf.load`).
       tokens: [B, T] int token ids.
-      positions: [B, T] RoPE positions; default: index within each segment.
+      positions: [B, T] positions (RoPE, position embeddings); default: index within
+        each segment.
       segment_ids: [B, T] document ids of packed rows (0 for padding); default: one
         document per row.
+      images: [B, I, S, S, C] pixels from `gemma_jax.image_inputs` (a model with
+        `vision.enabled`): row b's images in the order of its placeholder spans (each
+        `vision.tokens_per_image` ids `vision.image_token_id`, bidirectional among
+        themselves); images after a row's last span are padding.
       rng: a PRNG key enables dropout; None runs deterministically.
+      return_aux: also return the auxiliary outputs, a dict: "losses" maps names to
+        weighted scalar losses to add to the objective (MoE load balancing and router
+        z-loss, each the mean over layers; empty for a dense model), and a MoE model's
+        "expert_load" [E] is the fraction of routed assignments each expert received,
+        the mean over layers. With `record_internal_nn_metrics`, "activation_stats"
+        maps "activation_mean/layer_{i}" (and _stdev, _fraction_zero) to scalars.
     """
-    return _apply(params, *inputs(tokens, positions, segment_ids), rng)
+    checked = inputs(tokens, positions, segment_ids)
+    vision.check_image_inputs(tokens, images, model_config.vision)
+    return _apply(params, *checked, images, rng, return_aux)
 
   return Transformed(init, apply)

@@ -1,5 +1,6 @@
 """transformers interop: logits of loaded checkpoints, the save round trip, errors."""
 
+import functools
 import json
 import os
 
@@ -12,6 +13,8 @@ from safetensors import torch as st_torch
 
 import gemma_jax as gj
 from gemma_jax import safetensors_io
+import torch_reference
+from torch_reference import torch_logits
 
 VOCAB = 128
 BASE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_attention_heads=4,
@@ -43,13 +46,7 @@ def random_model(seed, **shape):
   return model.eval()
 
 
-def torch_logits(model, tokens):
-  with torch.no_grad():
-    return model(torch.as_tensor(np.asarray(tokens))).logits.numpy()
-
-
-def token_batch(b=2, t=23, seed=0):
-  return np.random.RandomState(seed).randint(0, VOCAB, (b, t)).astype(np.int32)
+token_batch = functools.partial(torch_reference.token_batch, VOCAB)
 
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
@@ -72,24 +69,13 @@ def test_loaded_logits_match_transformers(checkpoint, scan_layers):
 def test_packed_segments_equal_separate_documents(checkpoint):
   """A row packing two documents gives each the logits transformers gives it alone."""
   model, path = checkpoint
-  config, params = gj.hf.load(path)
-  doc_a, doc_b = token_batch(1, 9, seed=1), token_batch(1, 14, seed=2)
-  packed = np.concatenate([doc_a, doc_b], axis=1)
-  segments = np.array([[1] * 9 + [2] * 14], np.int32)
-  ours = np.asarray(gj.transform(config).apply(params, jnp.asarray(packed),
-                                               segment_ids=jnp.asarray(segments)))
-  expected = np.concatenate([torch_logits(model, doc_a), torch_logits(model, doc_b)], axis=1)
-  assert np.abs(ours - expected).max() <= 1e-4
+  assert torch_reference.packed_row_gap(model, path, VOCAB) <= 1e-4
 
 
 def test_save_round_trip_through_transformers(checkpoint, tmp_path):
   model, path = checkpoint
-  config, params = gj.hf.load(path)
-  out = str(tmp_path / "saved")
-  gj.hf.save(out, config, params)
-  reloaded = transformers.Gemma3ForCausalLM.from_pretrained(out).eval()
-  tokens = token_batch()
-  np.testing.assert_array_equal(torch_logits(reloaded, tokens), torch_logits(model, tokens))
+  torch_reference.assert_save_round_trip(model, path, str(tmp_path / "saved"),
+                                         transformers.Gemma3ForCausalLM, VOCAB)
 
 
 def test_text_part_of_conditional_generation_checkpoint(tmp_path):

@@ -32,6 +32,16 @@ MESHES = {
 }
 
 
+# Gemma 4 with 4 experts, top 2, and both auxiliary losses.
+MOE_MODEL = dict(MODEL, num_layers=2, global_head_dim=16, global_num_kv_heads=1, mlp_dim=32,
+                 num_experts=4, experts_per_token=2, expert_mlp_dim=16,
+                 load_balance_loss_weight=0.01, router_z_loss_weight=1e-3)
+MOE_MESHES = {
+    "expert4_data2": dict(data=2, expert=4),
+    "expert4_fsdp2": dict(data=1, fsdp=2, expert=4),
+}
+
+
 def config_with(mesh=None, **model):
   config = gj.get_config("gemma3-tiny")
   config.model.update(dict(MODEL, **model))
@@ -98,6 +108,28 @@ def test_sharded_losses_equal_single_device(single_device, name):
   sizes = dict(mesh.shape)
   assert embedding.addressable_shards[0].data.shape == (260 // sizes["tensor"],
                                                          32 // sizes["fsdp"])
+
+
+def moe_config(mesh=None):
+  config = gj.get_config("gemma4-moe-tiny")
+  config.model.update(MOE_MODEL)
+  config.mesh.update(mesh or {})
+  return config
+
+
+@pytest.fixture(scope="module")
+def single_device_moe():
+  return run_steps(moe_config())
+
+
+@pytest.mark.parametrize("name", sorted(MOE_MESHES))
+def test_expert_parallel_losses_equal_single_device(single_device_moe, name):
+  config = moe_config(MOE_MESHES[name])
+  mesh = sharding.make_mesh(config.mesh)
+  losses, state = run_steps(config, mesh)
+  np.testing.assert_allclose(losses, single_device_moe[0], rtol=1e-5)
+  gate = state.params["blocks"]["layer_0"]["moe"]["experts"]["gate"]  # [blocks, E, D, F]
+  assert gate.addressable_shards[0].data.shape[:2] == (1, 1)           # E over expert=4
 
 
 def test_fsdp8_device_holds_an_eighth_plus_small_vectors():

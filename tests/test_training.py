@@ -1,4 +1,4 @@
-"""Training: loss, optimizer, steps, sampler, FLOPs, and whole runs (resume, signals,
+"""Training: loss, optimizer, steps, FLOPs, and whole runs (resume, signals,
 divergence, errors)."""
 
 import os
@@ -17,7 +17,6 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import transformer
-from gemma_jax.inference import sampler
 from gemma_jax.training import (checkpoints, data, flops, loop, loss, metrics, optimizer, steps,
                                 tokenizers)
 
@@ -127,14 +126,16 @@ def test_grad_accumulation_equals_one_large_batch(sgd):
 
 def test_auxiliary_losses_are_added_to_the_objective(sgd):
   def forward_with_aux(params, batch, rng):
-    logits, _ = steps.model_forward(sgd["model"])(params, batch, rng)
-    return logits, {"l2": 0.01 * jnp.sum(params["embed"]["embedding"] ** 2)}
+    logits, _, _ = steps.model_forward(sgd["model"])(params, batch, rng)
+    return (logits, {"l2": 0.01 * jnp.sum(params["embed"]["embedding"] ** 2)},
+            {"observed": jnp.sum(params["embed"]["embedding"])})
 
   state = sgd["state"]
   base, _ = sgd["plain_result"]
   new, step_metrics = sgd["make"](forward_with_aux, z_loss=1e-3)(state, sgd["batch"])
   embedding = state.params["embed"]["embedding"]
   np.testing.assert_allclose(step_metrics["aux/l2"], 0.01 * jnp.sum(embedding ** 2), rtol=1e-5)
+  np.testing.assert_allclose(step_metrics["aux/observed"], jnp.sum(embedding), rtol=1e-5)
   np.testing.assert_allclose(base.params["embed"]["embedding"] - new.params["embed"]["embedding"],
                              0.02 * embedding, atol=1e-6)
 
@@ -145,33 +146,6 @@ def test_bfloat16_compute_keeps_float32_master_weights(sgd):
                                                                            sgd["batch"])
   assert {leaf.dtype for leaf in jax.tree.leaves(new.params)} == {jnp.dtype(jnp.float32)}
   np.testing.assert_allclose(step_metrics["loss"], sgd["plain_result"][1]["loss"], rtol=2e-2)
-
-
-# Sampler.
-
-def test_greedy_sample_equals_an_argmax_loop_and_stops_at_eos():
-  model = gj.transform(tiny_config())
-  prompt = np.asarray([[1, 40, 50, 60]], np.int32)
-  params = jax.jit(model.init)(jax.random.key(1), prompt)
-  apply = jax.jit(model.apply)
-  expected = np.zeros((1, 9), np.int32)   # causal: the zeros after i do not change logits at i
-  expected[:, :4] = prompt
-  for i in range(4, 9):
-    expected[:, i] = np.argmax(apply(params, expected)[:, i - 1], axis=-1)
-  generate = lambda **kwargs: sampler.sample(model.apply, params, prompt, jax.random.key(0),
-                                             max_new_tokens=5, temperature=0.0, **kwargs)
-  np.testing.assert_array_equal(generate(), expected)
-  stopped = generate(eos_id=int(expected[0, 4]), pad_id=0)   # stops after its first token
-  np.testing.assert_array_equal(stopped[0, :5], expected[0, :5])
-  np.testing.assert_array_equal(stopped[0, 5:], 0)
-
-
-def test_top_k_samples_only_among_the_k_likeliest():
-  logits = jnp.log(jnp.asarray([[0.1, 0.4, 0.2, 0.3]] * 2000))
-  np.testing.assert_array_equal(sampler.choose(logits, None, temperature=0.0, top_k=0), 1)
-  picks = np.asarray(sampler.choose(logits, jax.random.key(0), temperature=1.0, top_k=2))
-  assert set(picks.tolist()) == {1, 3}
-  np.testing.assert_allclose(np.mean(picks == 1), 0.4 / 0.7, atol=0.04)
 
 
 # Reporting.

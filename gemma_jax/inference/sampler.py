@@ -1,66 +1,158 @@
-"""A first sampler: greedy, temperature and top-k decoding from a prompt.
+"""Sampling: greedy, temperature, top-k and top-p, the whole loop inside jit.
 
-The loop runs inside jit over a fixed [B, P + N] token buffer and recomputes the full
-forward pass every step (no KV cache yet): simple, and O(N) forward passes.
+    sampler = Sampler(config, params, tokenizer)
+    text = sampler("def ", max_new_tokens=64, temperature=0.8, top_p=0.95, seed=0)
+
+`generate` is the jitted loop on token ids: prefill the prompts, then a
+`lax.while_loop` of decode steps, each row stopping at its first end-of-sequence id,
+until every row has stopped or `max_new_tokens` are out.
+
+Dims: B batch, P prompt length, N new tokens, V vocab.
 """
 
 import functools
-from typing import Callable, Optional
+import time
+from typing import NamedTuple, Optional, Sequence
 
-import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax.inference import decoding as decoding_lib
 
 
-def choose(logits: jax.Array, rng: jax.Array, temperature: float, top_k: int) -> jax.Array:
-  """logits [B, V] -> token ids [B]: argmax when temperature is 0, else a sample from
-  softmax(logits / temperature) restricted to the top_k likeliest (0: all)."""
+def check_options(temperature: float, top_k: int, top_p: float) -> None:
+  """Raises ValueError naming the first sampling option out of range."""
+  if not temperature >= 0:
+    raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+  if not (isinstance(top_k, int) and top_k >= 0):
+    raise ValueError(f"top_k must be an integer >= 0 (0: all tokens), got {top_k!r}")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p must lie in (0, 1] (1: all tokens), got {top_p}")
+
+
+def choose(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int = 0,
+           top_p: float = 1.0) -> jax.Array:
+  """logits [B, V] -> token ids [B] int32.
+
+  temperature 0 is greedy (argmax). Otherwise a sample from softmax(logits / temperature)
+  restricted to the top_k likeliest tokens (0: all), then to the smallest set of the
+  likeliest whose probability reaches top_p (1: all), in that order.
+  """
   if temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits.astype(jnp.float32) / temperature
   if top_k:
     kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
-  return jax.random.categorical(rng, logits / temperature, axis=-1).astype(jnp.int32)
+  if top_p < 1:
+    descending = -jnp.sort(-logits, axis=-1)
+    probs = jax.nn.softmax(descending, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs   # of the likelier tokens
+    threshold = jnp.min(jnp.where(mass_before < top_p, descending, jnp.inf), axis=-1)
+    logits = jnp.where(logits < threshold[:, None], -jnp.inf, logits)
+  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("apply", "max_new_tokens", "temperature",
-                                             "top_k", "eos_id", "pad_id"))
-def sample(apply: Callable, params, prompt: jax.Array, rng: jax.Array, *, max_new_tokens: int,
-           temperature: float = 1.0, top_k: int = 0, eos_id: Optional[int] = None,
-           pad_id: int = 0) -> jax.Array:
-  """Continues each prompt row by `max_new_tokens` tokens.
+@functools.partial(jax.jit, static_argnames=(
+    "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "pad_id", "cache_length",
+    "cache_dtype"))
+def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, lengths: jax.Array,
+             rng: jax.Array, eos_ids: jax.Array, *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, pad_id: int = 0,
+             cache_length: int, cache_dtype: str) -> jax.Array:
+  """Continues right-padded prompts [B, P] of `lengths` [B] tokens: [B, N] int32.
 
-  Args:
-    apply: the model's apply, `apply(params, tokens [B, L]) -> logits [B, L, V]`.
-    params: its parameters.
-    prompt: [B, P] int token ids (P >= 1).
-    rng: PRNG key (unused when greedy).
-    max_new_tokens: N.
-    temperature, top_k: see `choose`.
-    eos_id: a row stops after emitting it; later slots hold `pad_id`. None: never stops.
-
-  Returns:
-    [B, P + N] int32: the prompt and its continuation.
+  Row b holds its new tokens up to and including its first id in `eos_ids` [E] (E may
+  be 0), then `pad_id`. The caches cover `cache_length` >= max(lengths) + N - 1
+  positions. Options as in `choose`; `rng` is split once per step.
   """
-  chex.assert_rank(prompt, 2)
-  b, p = prompt.shape
-  tokens = jnp.full((b, p + max_new_tokens), pad_id, jnp.int32).at[:, :p].set(prompt)
+  logits, cache = decoding.prefill(params, prompts, lengths, cache_length=cache_length,
+                                   cache_dtype=cache_dtype)
+  eos = jnp.asarray(eos_ids, jnp.int32)
+
+  def pick(logits, rng, done):
+    rng, key = jax.random.split(rng)
+    token = choose(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+    token = jnp.where(done, pad_id, token)
+    return token, done | jnp.isin(token, eos), rng
+
+  token, done, rng = pick(logits, rng, jnp.zeros(prompts.shape[:1], bool))
+  out = jnp.full((prompts.shape[0], max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
 
   def unfinished(carry):
-    index, _, done, _ = carry
-    return (index < p + max_new_tokens) & ~jnp.all(done)
+    index, _, _, _, done, _ = carry
+    return (index < max_new_tokens) & ~jnp.all(done)
 
   def step(carry):
-    index, tokens, done, rng = carry
-    rng, key = jax.random.split(rng)
-    logits = jax.lax.dynamic_index_in_dim(apply(params, tokens), index - 1, axis=1,
-                                          keepdims=False)
-    token = jnp.where(done, pad_id, choose(logits, key, temperature, top_k))
-    tokens = jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], index, axis=1)
-    if eos_id is not None:
-      done = done | (token == eos_id)
-    return index + 1, tokens, done, rng
+    index, token, cache, out, done, rng = carry
+    logits, cache = decoding.decode_step(params, token, cache)
+    token, done, rng = pick(logits, rng, done)
+    out = jax.lax.dynamic_update_slice_in_dim(out, token[:, None], index, axis=1)
+    return index + 1, token, cache, out, done, rng
 
-  _, tokens, _, _ = jax.lax.while_loop(
-      unfinished, step, (jnp.asarray(p), tokens, jnp.zeros((b,), bool), rng))
-  return tokens
+  carry = (jnp.asarray(1), token, cache, out, done, rng)
+  return jax.lax.while_loop(unfinished, step, carry)[3]
+
+
+class Samples(NamedTuple):
+  """texts: the continuations; tokens: their ids (each up to its end-of-sequence id,
+  excluded); seconds: the generation's time, compilation excluded; compile_seconds."""
+  texts: list
+  tokens: list
+  seconds: float
+  compile_seconds: float
+
+
+class Sampler:
+  """Text in, text out: config, params and a tokenizer (`encode`, `decode`, `bos_id`,
+  `eos_id`, `pad_id`, e.g. `gemma_jax.training.tokenizers`).
+
+  Args:
+    config: the experiment config (its `model` section is used).
+    params: the model's parameters.
+    tokenizer: prompts are encoded after its BOS id; generation stops at its EOS id.
+    cache_dtype: dtype of cached keys and values; default
+      `decoding.default_cache_dtype(config)`.
+  """
+
+  def __init__(self, config: config_dict.ConfigDict, params, tokenizer,
+               cache_dtype: Optional[str] = None):
+    self.config, self.params, self.tokenizer = config, params, tokenizer
+    self.decoding = decoding_lib.make_decoding(config)
+    self.cache_dtype = jnp.dtype(cache_dtype or decoding_lib.default_cache_dtype(config)).name
+    self._compiled = {}
+
+  def __call__(self, prompt: str, **options) -> str:
+    """The continuation of one prompt; options as in `sample`."""
+    return self.sample([prompt], **options).texts[0]
+
+  def sample(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Samples:
+    """Continues each prompt by up to `max_new_tokens` tokens; options as in `choose`."""
+    check_options(temperature, top_k, top_p)
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+      raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    t = self.tokenizer
+    rows = [np.concatenate([[t.bos_id], ids]) for ids in t.encode(list(prompts))]
+    lengths = np.asarray([len(row) for row in rows], np.int32)
+    tokens = np.full((len(rows), lengths.max()), t.pad_id, np.int32)
+    for b, row in enumerate(rows):
+      tokens[b, :len(row)] = row
+    cache_length = tokens.shape[1] + max_new_tokens - 1
+    decoding_lib.check_prompts(tokens, lengths, cache_length, self.config.model.vocab_size)
+    static = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
+                  top_p=float(top_p), pad_id=t.pad_id, cache_length=cache_length,
+                  cache_dtype=self.cache_dtype)
+    args = (self.params, tokens, lengths, jax.random.key(seed), np.asarray([t.eos_id], np.int32))
+    start = time.perf_counter()
+    key = (tokens.shape, tuple(sorted(static.items())))
+    if key not in self._compiled:
+      self._compiled[key] = generate.lower(self.decoding, *args, **static).compile()
+    compiled = time.perf_counter()
+    out = np.asarray(self._compiled[key](*args))
+    seconds = time.perf_counter() - compiled
+    new = [row[:np.argmax(row == t.eos_id)] if (row == t.eos_id).any() else row for row in out]
+    return Samples([t.decode(ids.tolist()) for ids in new], new, seconds, compiled - start)
+

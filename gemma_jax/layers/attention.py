@@ -2,9 +2,14 @@
 
 Dims: B batch, T query length, S key length, D model width, N query heads,
 K key/value heads, G = N / K queries per key head, H head dim.
+
+Decoding replaces a layer's mask by a cache access (`Prefill` or `Decode`): the layer
+then keeps its keys and values in the "cache" variable collection, a ring of S slots
+("k", "v": [B, S, K, H]); which position each slot holds is the decoder's bookkeeping
+(`gemma_jax.inference.decoding`), shared by all layers of one attention type.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import chex
 import flax.linen as nn
@@ -63,55 +68,114 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   return out.reshape(b, t, n, h)
 
 
+class Prefill(NamedTuple):
+  """Replaces a layer's mask to fill its cache: attend over the T new keys under `mask`
+  [B, T, T], then store in the S cache slots the new keys and values at token indices
+  `sources` [B, S] (slots the decoder marks empty hold anything)."""
+  mask: jax.Array
+  sources: jax.Array
+
+
+class Decode(NamedTuple):
+  """Replaces a layer's mask to extend its cache: write the T new keys and values into
+  the cache slots `slots` [B, T], then attend over all S slots under `mask` [B, T, S]."""
+  mask: jax.Array
+  slots: jax.Array
+
+
 class Attention(nn.Module):
-  """Self-attention with optional per-head RMSNorm on queries and keys and RoPE.
+  """Self-attention with optional per-head RMSNorm on queries, keys and values, and RoPE.
 
   Attributes:
     num_heads, num_kv_heads, head_dim: N, K, H.
     query_scale: multiplies the queries (query_pre_attn_scalar ** -0.5 for Gemma).
+    use_rope: rotate queries and keys by position (RoPE); False: no positions here.
     rope_base, rope_scale, rope_fraction: see `rope.apply_rope`.
-    use_qk_norm: RMSNorm (1 + scale) over H on queries and keys.
+    use_qk_norm: RMSNorm over H on queries and keys.
+    use_value_norm: RMSNorm without scale over H on values.
+    k_eq_v: no value projection; the values are the key projection (before the key
+      norm and RoPE).
+    norm_plus_one: the query/key norms' form, see `norms.RMSNorm.plus_one`.
     logit_softcap: tanh cap on attention logits, or None.
+    fused_qkv: one [D, 3, N, H] projection "qkv" for queries, keys and values (K = N).
+    use_bias: biases on the query, key, value and output projections.
   """
   num_heads: int
   num_kv_heads: int
   head_dim: int
   query_scale: float
-  rope_base: float
+  use_rope: bool = True
+  rope_base: float = 10_000.0
   rope_scale: float = 1.0
   rope_fraction: float = 1.0
   use_qk_norm: bool = True
+  use_value_norm: bool = False
+  k_eq_v: bool = False
+  norm_plus_one: bool = True
   logit_softcap: Optional[float] = None
+  fused_qkv: bool = False
+  use_bias: bool = False
   norm_eps: float = 1e-6
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, mask: jax.Array) -> jax.Array:
-    """x: [B, T, D], positions: [B, T], mask: [B, T, S=T] -> [B, T, D]."""
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               mask: Union[jax.Array, Prefill, Decode]) -> jax.Array:
+    """x: [B, T, D], positions: [B, T], mask: [B, T, S=T] or a cache access -> [B, T, D]."""
     b, t, d = x.shape
     n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
     chex.assert_shape(positions, (b, t))
-    chex.assert_shape(mask, (b, t, t))
+    if not isinstance(mask, Decode):
+      chex.assert_shape(mask.mask if isinstance(mask, Prefill) else mask, (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
-        shape, axes, in_dims=in_dims, dtype=self.dtype, param_dtype=self.param_dtype, name=name)
-    q = dense((n, h), ("embed", "heads", "head_dim"), "q")(x)
-    k = dense((kv, h), ("embed", "kv_heads", "head_dim"), "k")(x)
-    v = dense((kv, h), ("embed", "kv_heads", "head_dim"), "v")(x)
-    q = checkpoint_name(q, "query_proj")
-    k = checkpoint_name(k, "key_proj")
-    v = checkpoint_name(v, "value_proj")
+        shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, name=name)
+    if self.fused_qkv:
+      chex.assert_equal(kv, n)
+      qkv = dense((3, n, h), ("embed", "qkv", "heads", "head_dim"), "qkv")(x)  # [B, T, 3, N, H]
+      q, k, v = (checkpoint_name(qkv[:, :, i], name)
+                 for i, name in enumerate(("query_proj", "key_proj", "value_proj")))
+    else:
+      q = checkpoint_name(dense((n, h), ("embed", "heads", "head_dim"), "q")(x), "query_proj")
+      k = checkpoint_name(dense((kv, h), ("embed", "kv_heads", "head_dim"), "k")(x), "key_proj")
+      v = k if self.k_eq_v else checkpoint_name(
+          dense((kv, h), ("embed", "kv_heads", "head_dim"), "v")(x), "value_proj")
+    norm = lambda name, with_scale=True: RMSNorm(
+        self.norm_eps, with_scale=with_scale, plus_one=self.norm_plus_one,
+        axis_name="head_dim", param_dtype=self.param_dtype, name=name)
     if self.use_qk_norm:
-      norm = lambda name: RMSNorm(self.norm_eps, axis_name="head_dim",
-                                  param_dtype=self.param_dtype, name=name)
       q, k = norm("q_norm")(q), norm("k_norm")(k)
+    if self.use_value_norm:
+      v = norm("v_norm", with_scale=False)(v)
     rope = lambda y: apply_rope(y, positions, base=self.rope_base, scale=self.rope_scale,
                                 fraction=self.rope_fraction)
-    q = rope(q) * jnp.asarray(self.query_scale, self.dtype)
-    k = rope(k)
+    if self.use_rope:
+      q, k = rope(q), rope(k)
+    q = q * jnp.asarray(self.query_scale, self.dtype)
     q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
     k = nn.with_logical_constraint(k, ("batch", "length", "kv_heads", "head_dim"))
     v = nn.with_logical_constraint(v, ("batch", "length", "kv_heads", "head_dim"))
-    out = dot_product_attention(q, k, v, mask, self.logit_softcap)
+    if isinstance(mask, Prefill):
+      out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap)
+      for name, new in (("k", k), ("v", v)):
+        self.put_variable("cache", name,
+                          jnp.take_along_axis(new, mask.sources[:, :, None, None], axis=1))
+    elif isinstance(mask, Decode):
+      k, v = (self._write_cache(name, new, mask.slots) for name, new in (("k", k), ("v", v)))
+      out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap)
+    else:
+      out = dot_product_attention(q, k, v, mask, self.logit_softcap)
     out = dense((d,), ("heads", "head_dim", "embed"), "out", in_dims=2)(out)
     return checkpoint_name(out, "out_proj")
+
+  def _write_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Writes new [B, T, K, H] into the cache ring `name` [B, S, K, H] at slots [B, T];
+    returns the ring in the compute dtype."""
+    ring = self.get_variable("cache", name)
+    chex.assert_shape(slots, new.shape[:2])
+    rows = jnp.arange(new.shape[0])[:, None]
+    ring = ring.at[rows, slots].set(new.astype(ring.dtype))
+    self.put_variable("cache", name, ring)
+    return nn.with_logical_constraint(ring.astype(self.dtype),
+                                      ("batch", "length", "kv_heads", "head_dim"))

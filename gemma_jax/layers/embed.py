@@ -1,4 +1,5 @@
-"""Token embedding, used both ways: ids -> vectors, and vectors -> logits (tied)."""
+"""Embeddings: a table used both ways (ids -> vectors, vectors -> logits when tied), and
+the untrainable sinusoidal embedding of positions."""
 
 import math
 
@@ -7,14 +8,26 @@ import jax
 import jax.numpy as jnp
 
 
+def sinusoidal(positions: jax.Array, dim: int, max_wavelength: float = 10_000.0) -> jax.Array:
+  """positions [B, T] -> [B, T, dim] float32: [sin(p w_i), cos(p w_i)] for i < dim/2,
+  the w_i geometric from 1 down to 1/max_wavelength (tensor2tensor's timing signal)."""
+  half = dim // 2
+  rates = jnp.exp(-math.log(max_wavelength) * jnp.arange(half, dtype=jnp.float32)
+                  / max(half - 1, 1))
+  angles = positions[..., None].astype(jnp.float32) * rates
+  return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+
+
 class Embed(nn.Module):
-  """A [V, D] table; `encode` scales by sqrt(D) as Gemma does.
+  """A [V, D] table; `encode` scales by sqrt(D) as Gemma does, unless `scale_by_sqrt_dim`
+  is False (GPT; position tables).
 
   The scale is rounded to the compute dtype first, as the published models were
   trained with it (sqrt(3072) = 55.43 becomes 55.5 in bfloat16).
   """
   vocab_size: int
   d_model: int
+  scale_by_sqrt_dim: bool = True
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -28,6 +41,8 @@ class Embed(nn.Module):
   def encode(self, tokens: jax.Array) -> jax.Array:
     """tokens: [B, T] int -> [B, T, D]."""
     x = jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+    if not self.scale_by_sqrt_dim:
+      return x
     return x * jnp.asarray(math.sqrt(self.d_model), self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""The gated MLP: down(act(gate(x)) * up(x))."""
+"""The MLPs: gated, down(act(gate(x)) * up(x)) (Gemma), and plain, down(act(up(x))) (GPT-3)."""
 
 import flax.linen as nn
 import jax
@@ -32,3 +32,22 @@ class GatedMlp(nn.Module):
     hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))
     out = dense((x.shape[-1],), ("mlp", "embed"), "down")(hidden)
     return checkpoint_name(out, "mlpwo")
+
+
+class Mlp(nn.Module):
+  """[B, T, D] -> [B, T, D] through one hidden layer of width F, biases optional."""
+  mlp_dim: int
+  activation: str = "gelu_tanh"
+  use_bias: bool = False
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dense = lambda shape, axes, name: Linear(shape, axes, use_bias=self.use_bias,
+                                             dtype=self.dtype, param_dtype=self.param_dtype,
+                                             name=name)
+    hidden = checkpoint_name(dense((self.mlp_dim,), ("embed", "mlp"), "up")(x), "mlpwi_0")
+    hidden = nn.with_logical_constraint(ACTIVATIONS[self.activation](hidden),
+                                        ("batch", "length", "mlp"))
+    return checkpoint_name(dense((x.shape[-1],), ("mlp", "embed"), "down")(hidden), "mlpwo")

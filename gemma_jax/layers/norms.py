@@ -1,4 +1,5 @@
-"""RMSNorm in Gemma's form: x / rms(x) * (1 + scale), scale stored zero-initialised."""
+"""RMSNorm in Gemma's two forms: x / rms(x) * (1 + scale) with scale stored
+zero-initialised (Gemma 3), or x / rms(x) * scale with scale ones-initialised (Gemma 4)."""
 
 import flax.linen as nn
 import jax
@@ -10,13 +11,15 @@ class RMSNorm(nn.Module):
 
   Attributes:
     eps: added to the mean square before the reciprocal square root.
-    with_scale: learn a per-feature `scale`, applied as (1 + scale); without it
-      the norm is parameter-free.
+    with_scale: learn a per-feature `scale`; without it the norm is parameter-free.
+    plus_one: apply the scale as (1 + scale), zero-initialised; else as scale,
+      initialised to ones.
     axis_name: logical axis name of the normalised features.
     param_dtype: storage dtype of `scale`.
   """
   eps: float = 1e-6
   with_scale: bool = True
+  plus_one: bool = True
   axis_name: str = "norm"
   param_dtype: jnp.dtype = jnp.float32
 
@@ -26,8 +29,8 @@ class RMSNorm(nn.Module):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
     if self.with_scale:
-      scale = self.param(
-          "scale", nn.with_logical_partitioning(nn.initializers.zeros_init(), (self.axis_name,)),
-          (x.shape[-1],), self.param_dtype)
-      y = y * (1.0 + scale.astype(jnp.float32))
+      init = nn.initializers.zeros_init() if self.plus_one else nn.initializers.ones_init()
+      scale = self.param("scale", nn.with_logical_partitioning(init, (self.axis_name,)),
+                         (x.shape[-1],), self.param_dtype).astype(jnp.float32)
+      y = y * (1.0 + scale if self.plus_one else scale)
     return y.astype(x.dtype)

@@ -1,4 +1,10 @@
-"""The Gemma 3 decoder layer: sandwich-normed attention and gated MLP."""
+"""The Gemma 3 decoder layer: sandwich-normed attention and gated MLP.
+
+Its attention options come from the config, per attention type: key/value heads and
+head dim on global layers, keys reused as values, a value norm, RoPE base, scale and
+rotated fraction. `make_norm`, `attention` and `feed_forward` are the hooks a family
+overrides (GPT-3's LayerNorm, biased attention and plain MLP; Gemma 4's experts).
+"""
 
 import flax.linen as nn
 import jax
@@ -6,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from ml_collections import config_dict
 
+from gemma_jax.layers import activation_stats
 from gemma_jax.layers.attention import Attention
 from gemma_jax.layers.mlp import GatedMlp
 from gemma_jax.layers.norms import RMSNorm
@@ -14,7 +21,7 @@ ACTIVATION_AXES = ("batch", "length", "embed")
 
 
 class Gemma3Layer(nn.Module):
-  """x + post_norm(attn(pre_norm(x))), then the same around the MLP.
+  """x + post_norm(attn(pre_norm(x))), then x + post_norm(feed_forward(x)).
 
   Attributes:
     config: the model section of the config.
@@ -25,32 +32,56 @@ class Gemma3Layer(nn.Module):
   attention_type: str
   deterministic: bool = True
 
+  @staticmethod
+  def make_norm(config: config_dict.ConfigDict, name: str) -> nn.Module:
+    """The family's norm over D (the decoder's final norm too): RMSNorm."""
+    return RMSNorm(config.norm_eps, plus_one=config.norm_plus_one,
+                   param_dtype=jnp.dtype(config.param_dtype), name=name)
+
+  def norm(self, name: str) -> nn.Module:
+    """The family's norm over D, named `name`."""
+    return self.make_norm(self.config, name)
+
+  def attention(self) -> Attention:
+    """The attention of this layer's type."""
+    c = self.config
+    is_global = self.attention_type == "global"
+    kind = self.attention_type
+    head_dim = (c.global_head_dim if is_global and c.global_head_dim else c.head_dim)
+    return Attention(
+        num_heads=c.num_heads,
+        num_kv_heads=(c.global_num_kv_heads if is_global and c.global_num_kv_heads
+                      else c.num_kv_heads),
+        head_dim=head_dim, query_scale=(c.query_pre_attn_scalar or head_dim) ** -0.5,
+        rope_base=c[f"rope_{kind}_base"], rope_scale=c[f"rope_{kind}_scale"],
+        rope_fraction=c[f"rope_{kind}_fraction"], use_qk_norm=c.use_qk_norm,
+        use_value_norm=c.use_value_norm, k_eq_v=is_global and c.global_k_eq_v,
+        norm_plus_one=c.norm_plus_one, logit_softcap=c.attn_logit_softcap, norm_eps=c.norm_eps,
+        dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), name="attn")
+
+  def feed_forward(self, x: jax.Array) -> jax.Array:
+    """The residual stream x [B, T, D] -> the MLP's output [B, T, D], before its post-norm."""
+    c = self.config
+    return GatedMlp(c.mlp_dim, c.activation, dtype=jnp.dtype(c.dtype),
+                    param_dtype=jnp.dtype(c.param_dtype), name="mlp")(self.norm("pre_mlp_norm")(x))
+
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, masks: dict) -> jax.Array:
     """x: [B, T, D], positions: [B, T], masks: {"local"|"global": [B, T, T]} -> [B, T, D]."""
     c = self.config
-    dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
-    norm = lambda name: RMSNorm(c.norm_eps, param_dtype=param_dtype, name=name)
-    kind = self.attention_type
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     x = checkpoint_name(x, "decoder_layer_input")
 
-    attn = Attention(
-        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-        query_scale=(c.query_pre_attn_scalar or c.head_dim) ** -0.5,
-        rope_base=c[f"rope_{kind}_base"], rope_scale=c[f"rope_{kind}_scale"],
-        rope_fraction=c[f"rope_{kind}_fraction"], use_qk_norm=c.use_qk_norm,
-        logit_softcap=c.attn_logit_softcap, norm_eps=c.norm_eps,
-        dtype=dtype, param_dtype=param_dtype, name="attn")
-    y = attn(norm("pre_attn_norm")(x), positions, masks[kind])
+    y = self.attention()(self.norm("pre_attn_norm")(x), positions, masks[self.attention_type])
     if c.use_post_attn_norm:
-      y = norm("post_attn_norm")(y)
+      y = self.norm("post_attn_norm")(y)
     x = x + y
 
-    y = GatedMlp(c.mlp_dim, c.activation, dtype=dtype, param_dtype=param_dtype,
-                 name="mlp")(norm("pre_mlp_norm")(x))
+    y = self.feed_forward(x)
     if c.use_post_ffw_norm:
-      y = norm("post_mlp_norm")(y)
+      y = self.norm("post_mlp_norm")(y)
     x = x + y
     x = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(x, deterministic=self.deterministic)
+    if c.record_internal_nn_metrics:
+      activation_stats.record(self, x)
     return nn.with_logical_constraint(x, ACTIVATION_AXES)

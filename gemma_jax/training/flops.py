@@ -14,22 +14,39 @@ import jax
 import jax.numpy as jnp
 from ml_collections import config_dict
 
+from gemma_jax.decoder import layer_types
+
+
+def _attention_shape(config: config_dict.ConfigDict, kind: str):
+  """(K, H) of a layer of attention type `kind`."""
+  if kind == "global":
+    return (config.global_num_kv_heads or config.num_kv_heads,
+            config.global_head_dim or config.head_dim)
+  return config.num_kv_heads, config.head_dim
+
 
 def matmul_params(config: config_dict.ConfigDict) -> int:
-  """Parameters that multiply activations: attention and MLP kernels, and the output
-  projection (the tied embedding, used once as a matmul)."""
-  d, n, k, h, f = (config.d_model, config.num_heads, config.num_kv_heads, config.head_dim,
-                   config.mlp_dim)
-  per_layer = d * n * h * 2 + d * k * h * 2 + 3 * d * f
-  return config.num_layers * per_layer + config.vocab_size * d
+  """Parameters that multiply each token's activations: attention and MLP kernels (of a
+  mixture of experts, the router and the k experts a token is routed to), and the
+  output projection (the tied embedding, used once as a matmul)."""
+  d, n = config.d_model, config.num_heads
+  mlp_matrices = 2 if config.block_type == "gpt3" else 3   # GPT-3's MLP is not gated
+  total = config.vocab_size * d
+  for kind in layer_types(config):
+    k, h = _attention_shape(config, kind)
+    values = 0 if kind == "global" and config.global_k_eq_v else d * k * h
+    total += 2 * d * n * h + d * k * h + values + mlp_matrices * d * config.mlp_dim
+    if config.num_experts:
+      total += d * config.num_experts + config.experts_per_token * 3 * d * config.expert_mlp_dim
+  return total
 
 
 def training_flops_per_token(config: config_dict.ConfigDict, seq_len: int) -> float:
   """Forward + backward FLOPs per token of a [B, seq_len] batch (model section config)."""
-  pattern = config.attention_pattern
-  keys = [seq_len if pattern[i % len(pattern)] == "global" else min(seq_len, config.sliding_window)
-          for i in range(config.num_layers)]
-  attention = sum(2 * 2 * config.num_heads * config.head_dim * s for s in keys)
+  attention = 0
+  for kind in layer_types(config):
+    keys = seq_len if kind == "global" else min(seq_len, config.sliding_window)
+    attention += 2 * 2 * config.num_heads * _attention_shape(config, kind)[1] * keys
   return 3.0 * (2 * matmul_params(config) + attention)
 
 

@@ -91,17 +91,12 @@ def _train_record(fetched: List[dict], seconds: float, tokens: int, flops_per_to
   return record
 
 
-def _generate(config: config_dict.ConfigDict, model, params, tokenizer) -> str:
+def _generate(config: config_dict.ConfigDict, params, tokenizer) -> str:
   """The sample prompt and its continuation, as text."""
-  prompt = [tokenizer.bos_id] + tokenizer.encode([config.sample.prompt])[0].tolist()
-  tokens = sampler.sample(
-      model.apply, params, np.asarray([prompt], np.int32), jax.random.key(config.seed),
-      max_new_tokens=config.sample.max_new_tokens, temperature=config.sample.temperature,
-      top_k=config.sample.top_k, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-  new = np.asarray(tokens)[0, len(prompt):].tolist()
-  if tokenizer.eos_id in new:
-    new = new[:new.index(tokenizer.eos_id)]
-  return config.sample.prompt + tokenizer.decode(new)
+  s = config.sample
+  return s.prompt + sampler.Sampler(config, params, tokenizer)(
+      s.prompt, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
+      top_p=s.top_p, seed=config.seed)
 
 
 def _log_line(step: int, total: int, record: Dict[str, float]) -> str:
@@ -235,7 +230,7 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
                         reference=entropy)
   if config.sample.max_new_tokens:
     with sharding.activate(mesh):
-      summary["sample"] = _generate(config, model, state.params, tokenizer)
+      summary["sample"] = _generate(config, state.params, tokenizer)
     _say(f"sample: {summary['sample']!r}")
     if jax.process_index() == 0:
       with open(os.path.join(workdir, SAMPLE_FILE), "w", encoding="utf-8") as f:

@@ -1,8 +1,10 @@
 """The pure steps: `train_step(state, batch) -> (state, metrics)` and `eval_step`.
 
-Both take a `forward(params, batch, rng) -> (logits [B, T, V], aux_losses)` where
-`aux_losses` maps names to scalar losses the model wants added to the objective
-(e.g. MoE load balancing); `model_forward` adapts a `gemma_jax.transform` model.
+Both take a `forward(params, batch, rng) -> (logits [B, T, V], losses, observed)`:
+`losses` maps names to scalar losses the model wants added to the objective (e.g. MoE
+load balancing), `observed` maps names to scalars only to log (e.g. each expert's
+load); the train step logs both as aux/<name>. `model_forward` adapts a
+`gemma_jax.transform` model.
 """
 
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
@@ -16,7 +18,8 @@ from gemma_jax.training import loss
 from gemma_jax.transformer import Transformed
 
 Batch = Dict[str, jax.Array]
-Forward = Callable[[Any, Batch, Optional[jax.Array]], Tuple[jax.Array, Dict[str, jax.Array]]]
+Scalars = Dict[str, jax.Array]
+Forward = Callable[[Any, Batch, Optional[jax.Array]], Tuple[jax.Array, Scalars, Scalars]]
 
 
 class TrainState(NamedTuple):
@@ -28,12 +31,24 @@ class TrainState(NamedTuple):
 
 
 def model_forward(model: Transformed) -> Forward:
-  """A forward with no auxiliary losses; rng None runs without dropout."""
+  """The model's forward with its auxiliary outputs; rng None runs without dropout.
+
+  The losses are the model's (MoE load balancing and router z-loss, already weighted);
+  a MoE model's per-expert load is observed as `expert_load/<e>`, and with
+  `record_internal_nn_metrics` each layer's `activation_mean/layer_<i>` (and _stdev,
+  _fraction_zero).
+  """
 
   def forward(params, batch, rng):
-    logits = model.apply(params, batch["tokens"], positions=batch["positions"],
-                         segment_ids=batch["segment_ids"], rng=rng)
-    return logits, {}
+    logits, aux = model.apply(params, batch["tokens"], positions=batch["positions"],
+                              segment_ids=batch["segment_ids"], images=batch.get("images"),
+                              rng=rng, return_aux=True)
+    observed = {}
+    if "expert_load" in aux:
+      load = jax.lax.stop_gradient(aux["expert_load"])
+      observed.update({f"expert_load/{e}": load[e] for e in range(load.shape[0])})
+    observed.update(jax.lax.stop_gradient(aux.get("activation_stats", {})))
+    return logits, dict(aux["losses"]), observed
 
   return forward
 
@@ -68,17 +83,19 @@ def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
 
   def micro_step(params, micro, rng, total_weight):
     def objective(params):
-      logits, aux = forward(params, micro, rng)
+      logits, losses, observed = forward(params, micro, rng)
       sums = loss.token_losses(logits, micro["targets"], micro["weights"])
-      aux = {name: value / grad_accum_steps for name, value in aux.items()}
-      value = (sums.cross_entropy + z_loss * sums.z_loss) / total_weight + sum(aux.values())
-      return value, (sums, aux)
+      losses = {name: value / grad_accum_steps for name, value in losses.items()}
+      value = (sums.cross_entropy + z_loss * sums.z_loss) / total_weight + sum(losses.values())
+      observed = {name: value / grad_accum_steps for name, value in observed.items()}
+      return value, (sums, {**losses, **observed})
 
     (_, (sums, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params)
     return grads, sums, aux
 
   def train_step(state: TrainState, batch: Batch) -> Tuple[TrainState, Dict[str, jax.Array]]:
-    """batch: dict of [B, T] arrays (see `gemma_jax.training.data`) -> (state, metrics)."""
+    """batch: dict of [B, T] arrays (see `gemma_jax.training.data`), and for an image
+    model optionally "images" [B, I, S, S, C] -> (state, metrics)."""
     rng, step_rng = jax.random.split(state.rng)
     total_weight = jnp.maximum(jnp.sum(batch["weights"], dtype=jnp.float32), 1.0)
     micro_batches = jax.tree.map(
@@ -114,7 +131,7 @@ def make_eval_step(forward: Forward) -> Callable:
   """eval_step(params, batch) -> loss.TokenLosses sums, without dropout."""
 
   def eval_step(params, batch: Batch) -> loss.TokenLosses:
-    logits, _ = forward(params, batch, None)
+    logits, _, _ = forward(params, batch, None)
     return loss.token_losses(logits, batch["targets"], batch["weights"])
 
   return eval_step

@@ -24,7 +24,8 @@ class ByteTokenizer:
             for text in texts]
 
   def decode(self, ids: Sequence[int]) -> str:
-    data = bytes(int(i) - self._offset for i in ids if i >= self._offset)
+    # Special ids, and ids past the bytes (a model's vocabulary may be larger), are skipped.
+    data = bytes(int(i) - self._offset for i in ids if self._offset <= i < self.vocab_size)
     return data.decode("utf-8", errors="replace")
 
 
@@ -44,7 +45,8 @@ class SentencePieceTokenizer:
     return [np.asarray(row, np.int32) for row in ids]
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self._processor.decode([int(i) for i in ids])
+    # Ids past the tokenizer's (a model's vocabulary may be larger) are skipped.
+    return self._processor.decode([int(i) for i in ids if 0 <= i < self.vocab_size])
 
 
 def get_tokenizer(name: str, model_vocab_size: int):

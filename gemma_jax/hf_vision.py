@@ -1,0 +1,199 @@
+"""Gemma 3's vision tower and projector <-> transformers' tensors.
+
+Our paths are below the tower (`params["vision"]`, encoder layers unrolled as
+`encoder/layers_{i}`); transformers' names are given in one canonical form,
+"vision_tower.<SigLIP name>" and "multi_modal_projector.<name>", to which every layout
+maps (`canonical_name`): transformers 5 in memory ("model.vision_tower.encoder..."), its
+saved files ("vision_tower.encoder..."), and transformers 4 and the published
+checkpoints, where SigLIP keeps its own "vision_model." ("vision_tower.vision_model.").
+`to_hf` writes the published layout. Linear weights are [out, in] there, the patch
+convolution [W, C, p, p]; the projection is a bare [W, D] matrix, copied as is.
+"""
+
+import math
+import re
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, Union
+
+import flax
+import jax
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax.models import vision
+
+
+class _Tensor(NamedTuple):
+  """Where one of our vision parameters lives in transformers' layout."""
+  name: str                 # canonical name (below "encoder.layers.{i}." for a layer)
+  kind: str                 # "linear" ([out, in] there), "conv" ([W, C, p, p]), "copy"
+  in_dims: int = 1          # a linear kernel's contracted dims here
+
+
+_TOWER, _PROJECTOR = "vision_tower.", "multi_modal_projector."
+
+# Our path below one encoder layer -> its tensor below `vision_tower.encoder.layers.{i}.`.
+_LAYER_NAMES = {
+    ("pre_attn_norm", "scale"): _Tensor("layer_norm1.weight", "copy"),
+    ("pre_attn_norm", "bias"): _Tensor("layer_norm1.bias", "copy"),
+    ("attn", "q", "kernel"): _Tensor("self_attn.q_proj.weight", "linear"),
+    ("attn", "q", "bias"): _Tensor("self_attn.q_proj.bias", "copy"),
+    ("attn", "k", "kernel"): _Tensor("self_attn.k_proj.weight", "linear"),
+    ("attn", "k", "bias"): _Tensor("self_attn.k_proj.bias", "copy"),
+    ("attn", "v", "kernel"): _Tensor("self_attn.v_proj.weight", "linear"),
+    ("attn", "v", "bias"): _Tensor("self_attn.v_proj.bias", "copy"),
+    ("attn", "out", "kernel"): _Tensor("self_attn.out_proj.weight", "linear", in_dims=2),
+    ("attn", "out", "bias"): _Tensor("self_attn.out_proj.bias", "copy"),
+    ("pre_mlp_norm", "scale"): _Tensor("layer_norm2.weight", "copy"),
+    ("pre_mlp_norm", "bias"): _Tensor("layer_norm2.bias", "copy"),
+    ("mlp", "up", "kernel"): _Tensor("mlp.fc1.weight", "linear"),
+    ("mlp", "up", "bias"): _Tensor("mlp.fc1.bias", "copy"),
+    ("mlp", "down", "kernel"): _Tensor("mlp.fc2.weight", "linear"),
+    ("mlp", "down", "bias"): _Tensor("mlp.fc2.bias", "copy"),
+}
+# Our paths outside the encoder layers -> transformers' tensors.
+_TOP_NAMES = {
+    ("encoder", "patch_embed", "kernel"): _Tensor(_TOWER + "embeddings.patch_embedding.weight",
+                                                  "conv"),
+    ("encoder", "patch_embed", "bias"): _Tensor(_TOWER + "embeddings.patch_embedding.bias",
+                                                "copy"),
+    ("encoder", "pos_embed"): _Tensor(_TOWER + "embeddings.position_embedding.weight", "copy"),
+    ("encoder", "final_norm", "scale"): _Tensor(_TOWER + "post_layernorm.weight", "copy"),
+    ("encoder", "final_norm", "bias"): _Tensor(_TOWER + "post_layernorm.bias", "copy"),
+    ("projector", "norm", "scale"): _Tensor(_PROJECTOR + "mm_soft_emb_norm.weight", "copy"),
+    ("projector", "proj", "kernel"): _Tensor(_PROJECTOR + "mm_input_projection_weight", "copy"),
+}
+# Stored prefix -> canonical prefix, longest first.
+_PREFIXES = (("model.vision_tower.vision_model.", _TOWER), ("model.vision_tower.", _TOWER),
+             ("vision_tower.vision_model.", _TOWER), ("vision_tower.", _TOWER),
+             ("model.multi_modal_projector.", _PROJECTOR), (_PROJECTOR, _PROJECTOR))
+
+
+# Our vision field -> (transformers' SiglipVisionConfig key, its default there).
+_CONFIG_KEYS = {"width": ("hidden_size", 768), "mlp_dim": ("intermediate_size", 3072),
+                "num_layers": ("num_hidden_layers", 12), "num_heads": ("num_attention_heads", 12),
+                "num_channels": ("num_channels", 3), "image_size": ("image_size", 224),
+                "patch_size": ("patch_size", 16), "layer_norm_eps": ("layer_norm_eps", 1e-6)}
+# Our token id field -> (transformers' Gemma3Config key, its default there).
+_ID_KEYS = {"boi_token_id": ("boi_token_index", 255_999),
+            "eoi_token_id": ("eoi_token_index", 256_000),
+            "image_token_id": ("image_token_index", 262_144)}
+
+
+def config_from_hf(hf: dict, activations: Mapping[str, str]) -> dict:
+  """A transformers Gemma3Config dict -> our vision fields (`activations`: transformers'
+  activation name -> ours). Raises ValueError naming a setting we do not build."""
+  v = hf["vision_config"]   # (its vision_use_head: Gemma 3 never runs that head)
+  if v.get("hidden_act", "gelu_pytorch_tanh") not in activations:
+    raise ValueError(f"vision_config: unknown hidden_act {v['hidden_act']!r}")
+  fields = {ours: v.get(key, default) for ours, (key, default) in _CONFIG_KEYS.items()}
+  fields.update({ours: hf.get(key, default) for ours, (key, default) in _ID_KEYS.items()})
+  return dict(fields, enabled=True, activation=activations[v.get("hidden_act",
+                                                                   "gelu_pytorch_tanh")],
+              tokens_per_image=hf.get("mm_tokens_per_image", 256))
+
+
+def config_to_hf(config: config_dict.ConfigDict, activations: Mapping[str, str]) -> dict:
+  """Our vision section -> the keys of a transformers Gemma3Config beside text_config
+  (`activations`: ours -> transformers' name)."""
+  vision_config = {key: config[ours] for ours, (key, _) in _CONFIG_KEYS.items()}
+  vision_config.update(model_type="siglip_vision_model", vision_use_head=False,
+                       hidden_act=activations[config.activation])
+  return dict({key: config[ours] for ours, (key, _) in _ID_KEYS.items()},
+              vision_config=vision_config, mm_tokens_per_image=config.tokens_per_image)
+
+
+def canonical_name(name: str) -> Optional[str]:
+  """A stored tensor name of the tower or projector in any layout -> its canonical name;
+  None for other tensors."""
+  for stored, canonical in _PREFIXES:
+    if name.startswith(stored):
+      return canonical + name[len(stored):]
+  return None
+
+
+def _tensor(path: Tuple[str, ...]) -> _Tensor:
+  """Our unrolled path below the tower -> its transformers tensor."""
+  match = re.fullmatch(r"layers_(\d+)", path[1]) if path[0] == "encoder" else None
+  if match:
+    tensor = _LAYER_NAMES[path[2:]]
+    return tensor._replace(name=f"{_TOWER}encoder.layers.{match.group(1)}.{tensor.name}")
+  return _TOP_NAMES[path]
+
+
+def tensor_name(path: Tuple[str, ...]) -> str:
+  """Our unrolled path below the tower -> the canonical transformers name."""
+  return _tensor(path).name
+
+
+def from_hf(value: np.ndarray, path: Tuple[str, ...],
+            shape: Tuple[int, ...]) -> Union[np.ndarray, str]:
+  """A stored tensor -> our parameter of `shape` at `path`, or why it does not fit."""
+  tensor = _tensor(path)
+  if tensor.kind == "linear":
+    value = value.T
+    fits = value.shape == (math.prod(shape[:tensor.in_dims]), math.prod(shape[tensor.in_dims:]))
+  elif tensor.kind == "conv":
+    value = value.transpose(2, 3, 1, 0)   # [W, C, p, p] -> [p, p, C, W]
+    fits = value.shape == shape
+  else:   # biases of multi-head projections are stored flat
+    fits = value.shape == shape or value.shape == (math.prod(shape),)
+  if not fits:
+    return f"{value.shape} does not fit {shape}"
+  return value.reshape(shape)
+
+
+def to_hf(value: np.ndarray, path: Tuple[str, ...]) -> Tuple[str, np.ndarray]:
+  """Our parameter at `path` -> (its name in the published layout, the stored tensor)."""
+  tensor = _tensor(path)
+  if tensor.kind == "linear":
+    value = value.reshape(math.prod(value.shape[:tensor.in_dims]), -1).T
+  elif tensor.kind == "conv":
+    value = value.transpose(3, 2, 0, 1)   # [p, p, C, W] -> [W, C, p, p]
+  elif path[-1] == "bias":
+    value = value.reshape(-1)
+  name = tensor.name
+  if name.startswith(_TOWER):
+    name = _TOWER + "vision_model." + name[len(_TOWER):]
+  return name, np.ascontiguousarray(value)
+
+
+def param_shapes(config: config_dict.ConfigDict, out_width: int) -> Dict[Tuple[str, ...],
+                                                                         Tuple[int, ...]]:
+  """Our unrolled path below the tower -> shape (an abstract init; nothing is computed)."""
+  pixels = jax.ShapeDtypeStruct((1, config.image_size, config.image_size, config.num_channels),
+                                np.float32)
+  tower = vision.VisionTower(config, out_width, scan_layers=False)
+  shapes = jax.eval_shape(tower.init, jax.random.key(0), pixels)["params"]
+  return {path: leaf.shape for path, leaf in
+          flax.traverse_util.flatten_dict(flax.linen.meta.unbox(shapes)).items()}
+
+
+def params_from_state_dict(state_dict: Mapping[str, Any], config: config_dict.ConfigDict,
+                           out_width: int, scan_layers: bool = True) -> dict:
+  """transformers tensors (torch or numpy, any layout; other keys ignored) -> our float32
+  tower parameters, scanned when `scan_layers`.
+
+  Raises:
+    KeyError naming a missing tensor; ValueError naming one of the wrong shape.
+  """
+  stored = {canonical_name(k): k for k in state_dict}
+  flat = {}
+  for path, shape in param_shapes(config, out_width).items():
+    name = tensor_name(path)
+    if name not in stored:
+      raise KeyError(f"vision tensor {name!r} is missing")
+    value = state_dict[stored[name]]
+    if hasattr(value, "detach"):  # torch.Tensor
+      value = value.detach().float().cpu().numpy()
+    value = from_hf(np.asarray(value, np.float32), path, shape)
+    if isinstance(value, str):
+      raise ValueError(f"{stored[name]}: {value}")
+    flat[path] = value
+  params = flax.traverse_util.unflatten_dict(flat)
+  return vision.stack_layers(params, config.num_layers) if scan_layers else params
+
+
+def params_to_state_dict(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
+  """Our tower parameters (scanned or unrolled) -> {published name: numpy array}."""
+  flat = flax.traverse_util.flatten_dict(vision.unstack_layers(dict(params)))
+  return dict(to_hf(np.asarray(value), path) for path, value in flat.items())

@@ -1,0 +1,173 @@
+"""KV-cached decoding as two pure functions: `make_decoding(config) -> Decoding`.
+
+    dec = make_decoding(config)
+    logits, cache = dec.prefill(params, prompts, lengths, cache_length=256)   # [B, V]
+    logits, cache = dec.decode_step(params, next_tokens, cache)               # [B, V]
+
+Prompts are right-padded rows [B, P] with `lengths` [B] real tokens each; a row's
+tokens sit at positions 0, 1, ... and every row decodes at its own position. Each layer
+keeps its keys and values in a ring of S slots, a token at position p in slot p % S:
+S = cache_length on global layers, min(sliding_window, cache_length) on local ones,
+so 5 layers in 6 hold a window, not the context. The masks come from the positions
+each slot holds (-1: empty), so no query sees padding, an empty slot, or a key
+outside its window.
+
+Dims: B batch, P prompt length, S cache slots, K key/value heads, H head dim, V vocab.
+"""
+
+import functools
+from typing import Callable, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax import config as config_lib
+from gemma_jax.decoder import Decoder, layer_masks, layer_types
+from gemma_jax.layers.attention import Decode, Prefill, attention_mask
+from gemma_jax.transformer import _check_tokens
+
+
+class Cache(NamedTuple):
+  """The decoding state of a batch; a pytree.
+
+  layers: the layers' "cache" collection, the parameter tree's layout with "k" and "v"
+    [B, S, K, H] under each layer's attention (scanned blocks stacked on a leading axis).
+  positions: {attention type: [B, S] int32}, the position each slot holds, -1 if none.
+  next_position: [B] int32, the position of each row's next token.
+  """
+  layers: dict
+  positions: dict
+  next_position: jax.Array
+
+
+class Decoding(NamedTuple):
+  """prefill(params, tokens, lengths, *, cache_length, cache_dtype) -> (logits, cache);
+  decode_step(params, tokens, cache) -> (logits, cache). Both jitted."""
+  prefill: Callable
+  decode_step: Callable
+
+
+def ring_sizes(config: config_dict.ConfigDict, cache_length: int) -> dict:
+  """{attention type present: S}: cache_length for global layers, the window (at
+  most cache_length) for local ones."""
+  return {kind: min(config.sliding_window, cache_length) if kind == "local" else cache_length
+          for kind in sorted(set(layer_types(config)))}
+
+
+def default_cache_dtype(config: config_dict.ConfigDict) -> str:
+  """bfloat16 on accelerators, the compute dtype on the CPU."""
+  return config.model.dtype if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def _window(config: config_dict.ConfigDict, kind: str) -> Optional[int]:
+  return config.sliding_window if kind == "local" else None
+
+
+def _ring_sources(lengths: jax.Array, size: int):
+  """For rows of `lengths` tokens at positions 0..length-1, the ring of `size` slots
+  holding the latest of them: (token index of each slot [B, S], its position or -1)."""
+  slot = jnp.arange(size)
+  latest = slot + size * ((lengths[:, None] - 1 - slot) // size)
+  return jnp.maximum(latest, 0), jnp.where(latest >= 0, latest, -1).astype(jnp.int32)
+
+
+def check_prompts(tokens, lengths, cache_length: int, vocab_size: int) -> None:
+  """Raises ValueError naming what is wrong with right-padded prompts for a cache."""
+  _check_tokens(tokens, vocab_size, "prompt tokens")
+  if tuple(np.shape(lengths)) != tuple(tokens.shape[:1]):
+    raise ValueError(f"lengths must have shape [batch] = {tokens.shape[:1]}, got "
+                     f"{np.shape(lengths)}")
+  if tokens.shape[1] > cache_length:
+    raise ValueError(f"prompt of {tokens.shape[1]} tokens is longer than cache_length="
+                     f"{cache_length}")
+  if not isinstance(lengths, jax.core.Tracer):
+    values = np.asarray(lengths)
+    bad = (values < 1) | (values > tokens.shape[1])
+    if bad.any():
+      row = int(np.argwhere(bad)[0, 0])
+      raise ValueError(f"lengths[{row}] = {values[row]} is outside [1, {tokens.shape[1]}] "
+                       "(the prompt width)")
+
+
+def make_decoding(config: config_dict.ConfigDict) -> Decoding:
+  """Validates `config` and returns its jitted `prefill` and `decode_step`."""
+  config_lib.validate(config)
+  model = config_dict.FrozenConfigDict(config.model)
+  module = Decoder(model, deterministic=True)
+
+  def run(params, layers, tokens, positions, segment_ids, masks):
+    """The decoder with cache accesses `masks`: (logits, the "cache" collection after)."""
+    variables = {"params": params} if layers is None else {"params": params, "cache": layers}
+    logits, state = module.apply(variables, tokens, positions, segment_ids, masks=masks,
+                                 mutable=["cache"])
+    return logits, state["cache"]
+
+  def step(params, tokens: jax.Array, cache: Cache):
+    """tokens [B] at each row's next position -> (logits [B, V], cache)."""
+    position = cache.next_position
+    rows = jnp.arange(tokens.shape[0])
+    positions, masks = {}, {}
+    for kind, ring in cache.positions.items():
+      slot = position % ring.shape[1]
+      positions[kind] = ring.at[rows, slot].set(position)
+      mask = attention_mask(position[:, None], positions[kind], jnp.ones_like(tokens[:, None]),
+                            (positions[kind] >= 0).astype(jnp.int32), window=_window(model, kind))
+      masks[kind] = Decode(mask, slot[:, None])
+    logits, layers = run(params, cache.layers, tokens[:, None], position[:, None],
+                         jnp.ones_like(tokens[:, None]), masks)
+    return logits[:, 0], Cache(layers, positions, position + 1)
+
+  @functools.partial(jax.jit, static_argnames=("cache_length", "cache_dtype"))
+  def _prefill(params, tokens, lengths, cache_length, cache_dtype):
+    # All but each row's last token fill the caches (their logits are never computed);
+    # the last one is a decode step, whose logits are the prefill's.
+    chunk = tokens[:, :max(tokens.shape[1] - 1, 1)]
+    filled = lengths - 1
+    index = jnp.broadcast_to(jnp.arange(chunk.shape[1]), chunk.shape)
+    segment_ids = (index < filled[:, None]).astype(jnp.int32)
+    full_masks = layer_masks(model, segment_ids)
+    positions, masks = {}, {}
+    for kind, size in ring_sizes(model, cache_length).items():
+      sources, positions[kind] = _ring_sources(filled, size)
+      masks[kind] = Prefill(full_masks[kind], sources)
+    _, layers = run(params, None, chunk, index, segment_ids, masks)
+    layers = jax.tree.map(lambda a: a.astype(cache_dtype), layers)
+    last = jnp.take_along_axis(tokens, filled[:, None], axis=1)[:, 0]
+    return step(params, last, Cache(layers, positions, filled))
+
+  def prefill(params: dict, tokens: jax.Array, lengths: Optional[jax.Array] = None, *,
+              cache_length: int, cache_dtype: Union[str, jnp.dtype, None] = None):
+    """Fills the caches with prompts: (logits [B, V] float32 after each row's last prompt
+    token, Cache).
+
+    Args:
+      params: the model's parameters.
+      tokens: [B, P] int prompt ids, right-padded.
+      lengths: [B] real tokens per row (1..P); default: P for every row.
+      cache_length: positions the caches cover: prompt plus generated tokens. Past it,
+        global layers forget their oldest keys.
+      cache_dtype: dtype of the cached keys and values; default `default_cache_dtype`.
+    """
+    if lengths is None:
+      lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+    check_prompts(tokens, lengths, cache_length, model.vocab_size)
+    if model.trainable_position_size and cache_length > model.trainable_position_size:
+      raise ValueError(f"cache_length={cache_length} exceeds the model's "
+                       f"trainable_position_size={model.trainable_position_size}")
+    dtype = jnp.dtype(cache_dtype or default_cache_dtype(config)).name
+    return _prefill(params, tokens, jnp.asarray(lengths, jnp.int32), cache_length, dtype)
+
+  _step = jax.jit(step, donate_argnames="cache")
+
+  def decode_step(params: dict, tokens: jax.Array, cache: Cache):
+    """One token per row, tokens [B] int, at each row's next position: (logits [B, V]
+    float32, the cache with it). The cache passed in is donated (do not reuse it)."""
+    if tokens.shape != cache.next_position.shape:
+      raise ValueError(f"tokens must have shape [batch] = {cache.next_position.shape}, got "
+                       f"{tokens.shape}")
+    _check_tokens(tokens[:, None], model.vocab_size)
+    return _step(params, tokens, cache)
+
+  return Decoding(prefill, decode_step)

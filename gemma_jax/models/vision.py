@@ -1,0 +1,318 @@
+"""Gemma 3's vision tower: a SigLIP encoder, soft-token pooling and the projection into
+the text width, and the helpers that merge its soft tokens into the text stream.
+Its config section is `config.model.vision` (gemma_jax/config.py); its transformers
+tensor names are in gemma_jax/hf_vision.py.
+
+Dims: N images (any leading dims flattened), S image side in pixels, C channels,
+p patch side, G = S / p patches per side, P = G * G patches, W encoder width,
+A attention heads, Hv = W / A head dim, F encoder MLP width, M soft tokens per
+image (a square, m = sqrt(M) per side), D text model width.
+
+    pixels [N, S, S, C] -> conv p x p, stride p -> [N, P, W] + position embedding
+      -> scanned encoder layers (LayerNorm, attention with biases, GELU MLP)
+      -> final LayerNorm                                     (`VisionTower.encode`)
+      -> average pooling G x G -> m x m, RMSNorm (1 + scale), x [W, D] -> [N, M, D]
+
+Parameter names (scanned: encoder layers stacked on a leading "layers" axis):
+
+  encoder/patch_embed/{kernel [p, p, C, W], bias [W]}, encoder/pos_embed [P, W],
+  encoder/layers/... (scanned) or encoder/layers_{i}/... (unrolled), where a layer is
+    pre_attn_norm/{scale, bias}, attn/{q, k, v}/{kernel [W, A, Hv], bias [A, Hv]},
+    attn/out/{kernel [A, Hv, W], bias [W]}, pre_mlp_norm/{scale, bias},
+    mlp/up/{kernel [W, F], bias [F]}, mlp/down/{kernel [F, W], bias [W]},
+  encoder/final_norm/{scale, bias}, projector/norm/scale [W], projector/proj/kernel [W, D].
+`stack_layers` / `unstack_layers` convert between the two layer layouts.
+
+Merge helpers: `image_span_ids` (span ids for `attention_mask(..., q_spans, kv_spans)`)
+and `merge_soft_tokens`.
+"""
+
+import math
+from typing import Any, Tuple
+
+import chex
+import flax.linen as nn
+import jax
+from jax.ad_checkpoint import checkpoint_name
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax import remat
+from gemma_jax.layers.attention import dot_product_attention
+from gemma_jax.layers.linear import Linear
+from gemma_jax.layers.mlp import ACTIVATIONS
+from gemma_jax.layers.norms import RMSNorm
+
+# ----------------------------------------------------------------------------- modules
+
+
+def _layer_norm(eps: float, name: str) -> nn.LayerNorm:
+  """LayerNorm over the last axis with a bias; computed in float32."""
+  return nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32,
+                      scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(),
+                                                              ("norm",)),
+                      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
+                                                             ("norm",)),
+                      name=name)
+
+
+class VisionAttention(nn.Module):
+  """Bidirectional multi-head self-attention with biased projections: [N, P, W] -> [N, P, W]."""
+  num_heads: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    n, p, w = x.shape
+    heads, head_dim = self.num_heads, w // self.num_heads
+    dense = lambda shape, axes, name, in_dims=1: Linear(
+        shape, axes, in_dims=in_dims, use_bias=True, dtype=self.dtype,
+        param_dtype=self.param_dtype, name=name)
+    qkv_axes = ("embed", "heads", "head_dim")
+    q = checkpoint_name(dense((heads, head_dim), qkv_axes, "q")(x), "query_proj")
+    k = checkpoint_name(dense((heads, head_dim), qkv_axes, "k")(x), "key_proj")
+    v = checkpoint_name(dense((heads, head_dim), qkv_axes, "v")(x), "value_proj")
+    q = q * jnp.asarray(head_dim ** -0.5, self.dtype)
+    every_patch = jnp.ones((1, 1, 1), bool)  # broadcasts to [N, P, P]: all patches see all
+    out = dot_product_attention(q, k, v, every_patch)                       # [N, P, A, Hv]
+    out = dense((w,), ("heads", "head_dim", "embed"), "out", in_dims=2)(out)
+    return checkpoint_name(out, "out_proj")
+
+
+class VisionMlp(nn.Module):
+  """down(act(up(x))) with biases: [N, P, W] -> [N, P, W] through width F."""
+  mlp_dim: int
+  activation: str = "gelu_tanh"
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dense = lambda shape, axes, name: Linear(shape, axes, use_bias=True, dtype=self.dtype,
+                                             param_dtype=self.param_dtype, name=name)
+    hidden = checkpoint_name(dense((self.mlp_dim,), ("embed", "mlp"), "up")(x), "mlpwi_0")
+    hidden = ACTIVATIONS[self.activation](hidden)
+    out = dense((x.shape[-1],), ("mlp", "embed"), "down")(hidden)
+    return checkpoint_name(out, "mlpwo")
+
+
+class VisionLayer(nn.Module):
+  """x + attn(ln(x)), then x + mlp(ln(x)); returns (x, None) to serve as a scan body."""
+  config: config_dict.ConfigDict
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> Tuple[jax.Array, None]:
+    """x: [N, P, W] -> ([N, P, W], None)."""
+    c = self.config
+    norm = lambda name: lambda y: _layer_norm(c.layer_norm_eps, name)(y).astype(self.dtype)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    x = x + VisionAttention(c.num_heads, self.dtype, self.param_dtype, name="attn")(
+        norm("pre_attn_norm")(x))
+    x = x + VisionMlp(c.mlp_dim, c.activation, self.dtype, self.param_dtype, name="mlp")(
+        norm("pre_mlp_norm")(x))
+    return x, None
+
+
+class VisionEncoder(nn.Module):
+  """SigLIP: pixels [N, S, S, C] -> patch features [N, P, W] after the final LayerNorm."""
+  config: config_dict.ConfigDict
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  scan_layers: bool = True
+  remat_policy: str = "none"
+
+  @nn.compact
+  def __call__(self, pixels: jax.Array) -> jax.Array:
+    c = self.config
+    s, p, w = c.image_size, c.patch_size, c.width
+    chex.assert_shape(pixels, (None, s, s, c.num_channels))
+    grid = s // p
+    conv_init = nn.initializers.lecun_normal()
+    # The patch rows, columns and channels have no logical name: they stay whole.
+    x = nn.Conv(w, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                kernel_init=nn.with_logical_partitioning(conv_init, (None, None, None, "embed")),
+                bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ("embed",)),
+                name="patch_embed")(pixels.astype(self.dtype))            # [N, G, G, W]
+    x = x.reshape(x.shape[0], grid * grid, w)                              # row-major patches
+    pos = self.param("pos_embed", nn.with_logical_partitioning(
+        nn.initializers.normal(stddev=w ** -0.5), ("length", "embed")), (grid * grid, w),
+                     self.param_dtype)
+    x = x + pos.astype(self.dtype)[None]
+
+    layer_cls = VisionLayer
+    if remat.is_remat(self.remat_policy):
+      layer_cls = nn.remat(VisionLayer, policy=remat.POLICIES[self.remat_policy],
+                           prevent_cse=not self.scan_layers)
+    if self.scan_layers:
+      x, _ = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                     length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})(
+                         c, self.dtype, self.param_dtype, name="layers")(x)
+    else:
+      for i in range(c.num_layers):
+        x, _ = layer_cls(c, self.dtype, self.param_dtype, name=f"layers_{i}")(x)
+    x = _layer_norm(c.layer_norm_eps, "final_norm")(x).astype(self.dtype)
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+def pool_patches(x: jax.Array, tokens_per_image: int) -> jax.Array:
+  """Average pooling of the row-major patch grid: [N, P, W] -> [N, M, W] (in float32)."""
+  n, p, w = x.shape
+  grid, side = math.isqrt(p), math.isqrt(tokens_per_image)
+  k = grid // side
+  x = x.astype(jnp.float32).reshape(n, side, k, side, k, w)
+  return x.mean(axis=(2, 4)).reshape(n, side * side, w)
+
+
+class VisionProjector(nn.Module):
+  """Patch features [N, P, W] -> soft tokens [N, M, D]: pool, RMSNorm (1 + scale), x [W, D]."""
+  config: config_dict.ConfigDict
+  out_width: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
+    x = pool_patches(x, c.tokens_per_image)
+    x = RMSNorm(c.layer_norm_eps, plus_one=True, param_dtype=self.param_dtype, name="norm")(x)
+    # One array cannot name "embed" twice: the vision width stays whole here.
+    x = Linear((self.out_width,), (None, "embed"), dtype=self.dtype,
+               param_dtype=self.param_dtype, name="proj")(x.astype(self.dtype))
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+class VisionTower(nn.Module):
+  """Images -> soft tokens in the text width.
+
+  Attributes:
+    config: the vision section (`config.model.vision`).
+    out_width: D, the text model's width.
+    dtype, param_dtype: compute and storage dtypes (norms and pooling in float32).
+    scan_layers: nn.scan over the encoder layers (parameters on a "layers" axis).
+    remat_policy: encoder layer remat, a name from gemma_jax.remat.POLICIES.
+  """
+  config: config_dict.ConfigDict
+  out_width: int
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  scan_layers: bool = True
+  remat_policy: str = "none"
+
+  def setup(self):
+    self.encoder = VisionEncoder(self.config, self.dtype, self.param_dtype, self.scan_layers,
+                                 self.remat_policy)
+    self.projector = VisionProjector(self.config, self.out_width, self.dtype, self.param_dtype)
+
+  def _flat(self, pixels: jax.Array) -> jax.Array:
+    c = self.config
+    chex.assert_axis_dimension(pixels, -1, c.num_channels)
+    chex.assert_axis_dimension(pixels, -2, c.image_size)
+    chex.assert_axis_dimension(pixels, -3, c.image_size)
+    return pixels.reshape((-1,) + pixels.shape[-3:])
+
+  def encode(self, pixels: jax.Array) -> jax.Array:
+    """pixels [..., S, S, C] -> encoder output [..., P, W] (transformers' last_hidden_state)."""
+    x = self.encoder(self._flat(pixels))
+    return x.reshape(pixels.shape[:-3] + x.shape[1:])
+
+  def __call__(self, pixels: jax.Array) -> jax.Array:
+    """pixels [..., S, S, C] (normalised, see image_inputs) -> soft tokens [..., M, D]."""
+    x = self.projector(self.encoder(self._flat(pixels)))
+    return x.reshape(pixels.shape[:-3] + x.shape[1:])
+
+
+# ----------------------------------------------------------------------------- merge helpers
+
+
+def image_span_ids(tokens: jax.Array, image_token_id: int) -> jax.Array:
+  """tokens [B, T] -> [B, T] int32: k > 0 on the k-th run of image placeholders of a row,
+  0 elsewhere; the span ids `attention_mask(..., q_spans, kv_spans)` makes bidirectional."""
+  is_image = tokens == image_token_id
+  starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+  return jnp.where(is_image, jnp.cumsum(starts, axis=1), 0).astype(jnp.int32)
+
+
+def merge_soft_tokens(embeddings: jax.Array, tokens: jax.Array, soft_tokens: jax.Array,
+                      image_token_id: int) -> jax.Array:
+  """Replaces the placeholder positions of each row by that row's soft tokens, in order.
+
+  Args:
+    embeddings: [B, T, D] token embeddings (placeholders embedded as anything).
+    tokens: [B, T] ids; positions holding `image_token_id` receive soft tokens.
+    soft_tokens: [B, I, M, D], the row's images in order; a row's j-th placeholder
+      takes soft token j of the row's flattened [I * M, D]. Rows with fewer
+      placeholders leave the remaining images unused (padding images).
+  Returns:
+    [B, T, D] in the embeddings' dtype.
+  """
+  b, t, d = embeddings.shape
+  chex.assert_shape(tokens, (b, t))
+  chex.assert_rank(soft_tokens, 4)
+  chex.assert_axis_dimension(soft_tokens, 0, b)
+  chex.assert_axis_dimension(soft_tokens, 3, d)
+  flat = soft_tokens.reshape(b, -1, d)
+  is_image = tokens == image_token_id
+  index = jnp.clip(jnp.cumsum(is_image, axis=1) - 1, 0, flat.shape[1] - 1)
+  gathered = jnp.take_along_axis(flat, index[..., None], axis=1)
+  return jnp.where(is_image[..., None], gathered.astype(embeddings.dtype), embeddings)
+
+
+def check_image_inputs(tokens: Any, images: Any, config: config_dict.ConfigDict) -> None:
+  """Raises ValueError naming what is wrong with images [B, I, S, S, C] for tokens [B, T]:
+  the shape, or (when the ids are concrete) a placeholder span of the wrong length or a
+  row with more spans than images. `config` is the vision section."""
+  if images is None and not config.enabled:
+    return
+  if not config.enabled:
+    raise ValueError("images were given to a model without vision "
+                     "(config.model.vision.enabled is False)")
+  b = tokens.shape[0]
+  if images is not None:
+    expected = (b, None, config.image_size, config.image_size, config.num_channels)
+    if images.ndim != 5 or any(e not in (None, g) for e, g in zip(expected, images.shape)):
+      raise ValueError(f"images must be [batch={b}, images, {config.image_size}, "
+                       f"{config.image_size}, {config.num_channels}], got shape {images.shape}")
+    if not jnp.issubdtype(images.dtype, jnp.floating):
+      raise ValueError(f"images must hold float pixels (gemma_jax.image_inputs), got dtype "
+                       f"{images.dtype}")
+  if isinstance(tokens, jax.core.Tracer):
+    return
+  spans = np.asarray(image_span_ids(jnp.asarray(tokens), config.image_token_id))
+  available = 0 if images is None else images.shape[1]
+  for row in range(b):
+    count = int(spans[row].max(initial=0))
+    lengths = np.bincount(spans[row], minlength=count + 1)[1:]
+    if count > available:
+      raise ValueError(f"tokens row {row} holds {count} image placeholder spans but "
+                       f"{available} images were given")
+    for k, length in enumerate(lengths):
+      if length != config.tokens_per_image:
+        raise ValueError(f"tokens row {row}: image placeholder span {k} holds {length} "
+                         f"image_token_id ids, not tokens_per_image={config.tokens_per_image}")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def stack_layers(params: dict, num_layers: int) -> dict:
+  """Tower parameters with `encoder/layers_{i}` -> the scanned `encoder/layers` (stacked)."""
+  encoder = dict(params["encoder"])
+  per_layer = [encoder.pop(f"layers_{i}") for i in range(num_layers)]
+  encoder["layers"] = jax.tree_util.tree_map(lambda *a: np.stack(a), *per_layer)
+  return dict(params, encoder=encoder)
+
+
+def unstack_layers(params: dict) -> dict:
+  """Scanned tower parameters -> one `encoder/layers_{i}` per layer (unrolled unchanged)."""
+  encoder = dict(params["encoder"])
+  if "layers" not in encoder:
+    return dict(params)
+  stacked = encoder.pop("layers")
+  for i in range(jax.tree_util.tree_leaves(stacked)[0].shape[0]):
+    encoder[f"layers_{i}"] = jax.tree_util.tree_map(lambda a, i=i: a[i], stacked)
+  return dict(params, encoder=encoder)

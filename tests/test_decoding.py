@@ -1,0 +1,137 @@
+"""KV-cached decoding against the full forward pass: rings, mixed prompt lengths, errors,
+and the planned cache bytes."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemma_jax as gj
+from gemma_jax import decoder, planning
+from gemma_jax.inference import decoding
+
+WINDOW = 4
+# Five layers of a (local, global) pattern: two scanned blocks and one unscanned layer,
+# local in Gemma 3 and global in Gemma 4 (its last layer is).
+GEMMA = dict(vocab_size=97, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48,
+             num_layers=5, sliding_window=WINDOW, attention_pattern=("local", "global"))
+FAMILIES = {
+    "gemma3": ("gemma3-tiny", GEMMA),
+    # Global layers with their own key/value heads and head dim, keys as values, value
+    # norm, partial RoPE; experts (dense dispatch: the dispatches are equal, test_moe.py).
+    "gemma4_moe": ("gemma4-moe-tiny", dict(GEMMA, global_head_dim=16, global_num_kv_heads=1,
+                                           mlp_dim=32, expert_mlp_dim=16, num_experts=4,
+                                           moe_dispatch="dense")),
+    # Global layers only, learned positions, fused biased projections, no RoPE.
+    "gpt3": ("gpt3-52k", dict(vocab_size=97, num_layers=2)),
+}
+
+
+def tiny(family):
+  preset, overrides = FAMILIES[family]
+  config = gj.get_config(preset)
+  config.model.update(overrides)
+  return config
+
+
+def random_params(config, seed=0):
+  """Every parameter drawn from N(0, 0.3^2), norm scales included (no init to compile)."""
+  shapes = jax.eval_shape(gj.transform(config).init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  rng = np.random.RandomState(seed)
+  return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), shapes)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request):
+  config = tiny(request.param)
+  return config, random_params(config)
+
+
+def test_prefill_then_decode_equals_the_full_forward(model):
+  """Rows of 9, 3 and 6 prompt tokens then 7 steps each (window 4): every logit equals the
+  full forward's at that position, whatever the other rows' lengths."""
+  config, params = model
+  lengths, steps = np.array([9, 3, 6]), 7
+  width = lengths.max() + steps
+  seq = np.random.RandomState(0).randint(0, 97, (3, width)).astype(np.int32)
+  real = np.arange(width)[None] < (lengths[:, None] + steps)
+  full = np.asarray(gj.transform(config).apply(params, jnp.asarray(seq * real),
+                                               segment_ids=jnp.asarray(real, jnp.int32)))
+  rows = np.arange(3)
+  prompts = np.where(np.arange(9)[None] < lengths[:, None], seq[:, :9], 0)
+  dec = decoding.make_decoding(config)
+  logits, cache = dec.prefill(params, jnp.asarray(prompts), jnp.asarray(lengths),
+                              cache_length=width)
+  got, want = [logits], [full[rows, lengths - 1]]
+  for i in range(steps):
+    logits, cache = dec.decode_step(params, jnp.asarray(seq[rows, lengths + i]), cache)
+    got.append(logits)
+    want.append(full[rows, lengths + i])
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+
+  # Local rings hold the window, global layers the whole context; scanned caches stack
+  # like the parameters.
+  slots = {"local": WINDOW, "global": width}
+  layers = decoder.unstack_layers(cache.layers, config.model)
+  for i, kind in enumerate(decoder.layer_types(config.model)):
+    for name in ("k", "v"):
+      assert layers[f"layers_{i}"]["attn"][name].shape[:2] == (3, slots[kind]), (i, name)
+  last = lengths + steps - 1
+  np.testing.assert_array_equal(cache.next_position, last + 1)
+  for kind, positions in cache.positions.items():   # each row's latest, -1 for empty slots
+    latest = np.maximum(last[:, None] - np.arange(slots[kind]), -1)
+    np.testing.assert_array_equal(np.sort(positions, axis=1), np.sort(latest, axis=1))
+
+
+def test_cache_dtype_and_one_token_prompts(model):
+  config, params = model
+  dec = decoding.make_decoding(config)
+  prefill = lambda p, t: dec.prefill(p, t, cache_length=5, cache_dtype="bfloat16")
+  logits, cache = jax.eval_shape(prefill, params, jax.ShapeDtypeStruct((2, 1), jnp.int32))
+  chex.assert_shape(logits, (2, 97))
+  assert {leaf.dtype for leaf in jax.tree.leaves(cache.layers)} == {jnp.dtype("bfloat16")}
+  for kind, positions in cache.positions.items():
+    chex.assert_shape(positions, (2, {"local": WINDOW, "global": 5}[kind]))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda dec, p: dec.prefill(p, jnp.zeros((1, 9), jnp.int32), cache_length=8),
+     "prompt of 9 tokens is longer than cache_length=8"),
+    (lambda dec, p: dec.prefill(p, jnp.asarray([[1, 97]]), cache_length=8),
+     r"prompt tokens\[0, 1\] = 97 is outside the vocabulary \[0, 97\)"),
+    (lambda dec, p: dec.prefill(p, jnp.ones((2, 3), jnp.int32), jnp.asarray([3, 0]),
+                                cache_length=8),
+     r"lengths\[1\] = 0 is outside \[1, 3\]"),
+    (lambda dec, p: dec.prefill(p, jnp.ones((2, 3), jnp.int32), jnp.asarray([3]),
+                                cache_length=8),
+     r"lengths must have shape \[batch\]"),
+])
+def test_bad_inputs_name_what_is_wrong(model, call, message):
+  config, params = model
+  with pytest.raises(ValueError, match=message):
+    call(decoding.make_decoding(config), params)
+
+
+def test_decode_step_checks_its_tokens(model):
+  config, params = model
+  dec = decoding.make_decoding(config)
+  cache = decoding.Cache({}, {}, jnp.zeros((2,), jnp.int32))
+  with pytest.raises(ValueError, match=r"tokens must have shape \[batch\] = \(2,\)"):
+    dec.decode_step(params, jnp.zeros((2, 1), jnp.int32), cache)
+  with pytest.raises(ValueError, match=r"tokens\[1, 0\] = -1 is outside the vocabulary"):
+    dec.decode_step(params, jnp.asarray([0, -1]), cache)
+
+
+def test_cache_bytes_of_gemma3_27b_at_128k():
+  """62 layers (10 global), 16 key/value heads of 128, bfloat16 keys and values: a window
+  of 1024 on 52 local layers instead of 131072 positions; int32 slot positions."""
+  config = gj.get_config("gemma3-27b")
+  length, kv_bytes_per_position = 131072, 2 * 16 * 128 * 2
+  got = planning.cache_bytes(config, batch_size=1, cache_length=length)
+  positions_bytes = lambda slots: 4 * (slots + 1)   # the slots' positions, the next position
+  assert got["cache"] == ((10 * length + 52 * 1024) * kv_bytes_per_position
+                          + positions_bytes(length + 1024))
+  assert got["full_length"] == 62 * length * kv_bytes_per_position + positions_bytes(2 * length)
+  assert got["full_length"] / got["cache"] > 5.9

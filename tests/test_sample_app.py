@@ -1,0 +1,87 @@
+"""experiments/sample.py end to end: from a transformers directory with a SentencePiece
+tokenizer, and from a training workdir's checkpoint; greedy text against references
+that share no decoding code with it."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import sentencepiece
+import torch
+
+import gemma_jax as gj
+from gemma_jax.training import checkpoints, optimizer, steps, tokenizers
+from test_hf import random_model
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+NEW = 6
+
+
+def sample_app(*flags):
+  """stdout of sample.py with greedy decoding; fails on a non-zero exit."""
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "sample.py"), "--temperature=0",
+       f"--max_new_tokens={NEW}", *flags], capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, XLA_FLAGS=""), check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result.stdout
+
+
+def test_from_a_transformers_directory_with_a_sentencepiece_tokenizer(tmp_path):
+  sentencepiece.SentencePieceTrainer.train(
+      input=os.path.join(ROOT, "README.md"), model_prefix=str(tmp_path / "tokenizer"),
+      vocab_size=100, pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2)
+  model = random_model(5, num_hidden_layers=2, num_key_value_heads=2, sliding_window=3)
+  model.save_pretrained(str(tmp_path / "hf"))
+  tokenizer = tokenizers.SentencePieceTokenizer(str(tmp_path / "tokenizer.model"))
+  prompt = "Sampling with caches"
+  ids = [tokenizer.bos_id, *tokenizer.encode([prompt])[0]]
+  with torch.no_grad():
+    out = model.generate(torch.as_tensor([ids]), do_sample=False, max_new_tokens=NEW,
+                         eos_token_id=tokenizer.eos_id, pad_token_id=0)[0, len(ids):].tolist()
+  expected = prompt + tokenizer.decode([i for i in out if i != tokenizer.eos_id])
+  stdout = sample_app(f"--hf_dir={tmp_path / 'hf'}", f"--tokenizer={tmp_path / 'tokenizer.model'}",
+                      f"--prompt={prompt}")
+  assert stdout.startswith(expected + "\n")
+  assert "tokens/s" in stdout.splitlines()[-1]
+
+
+def test_from_a_training_workdir(tmp_path):
+  overrides = dict(num_layers=2, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                   mlp_dim=64, sliding_window=3, attention_pattern=("local", "global"))
+  config = gj.get_config("gemma3-tiny")
+  config.model.update(overrides)
+  model = gj.transform(config)
+  tx = optimizer.make_optimizer(
+      config.optimizer, optimizer.learning_rate_schedule(config.optimizer, config.train.steps))
+  rng = np.random.RandomState(0)
+  state = jax.tree.map(
+      lambda s: (jax.random.key(0) if jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)
+                 else jnp.asarray(rng.normal(0.0, 0.5, s.shape), s.dtype)),
+      jax.eval_shape(lambda: steps.init_state(model, tx, config.seed, config.data.seq_len)))
+  saver = checkpoints.Checkpointer(str(tmp_path / "checkpoints"), 1)
+  saver.save(state, {})
+  saver.wait()
+  saver.close()
+
+  # The reference: argmax over the full forward of a fixed-width row (causal, so the
+  # zeros after position i do not change its logits).
+  prompt = "def "
+  tokenizer = tokenizers.ByteTokenizer()
+  ids = [tokenizer.bos_id, *tokenizer.encode([prompt])[0]]
+  row = np.zeros((1, len(ids) + NEW), np.int32)
+  row[0, :len(ids)] = ids
+  apply = jax.jit(model.apply)
+  for i in range(len(ids), row.shape[1]):
+    row[0, i] = np.argmax(apply(state.params, row)[0, i - 1])
+  new = row[0, len(ids):].tolist()
+  new = new[:new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
+
+  flags = [f"--config.model.{k}={v!r}"
+           for k, v in overrides.items()]
+  stdout = sample_app(f"--config={os.path.join(ROOT, 'configs', 'gemma3_tiny.py')}", *flags,
+                      f"--workdir={tmp_path}", f"--prompt={prompt}")
+  assert stdout.startswith(prompt + tokenizer.decode(new) + "\n")

@@ -1,0 +1,114 @@
+"""Sampling: greedy generation against transformers, per-row stops, seeds, and top-k /
+top-p on a distribution built to tell them apart."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import gemma_jax as gj
+from gemma_jax.inference import decoding, sampler
+from test_hf import VOCAB, random_model
+
+NEW = 8
+PROBS = np.array([0.35, 0.25, 0.2, 0.1, 0.05, 0.03, 0.02])
+ORDER = np.random.RandomState(0).permutation(len(PROBS))   # token ORDER[i] has PROBS[i]
+
+
+def built_logits(rows):
+  """[rows, 10] logits: PROBS on the tokens ORDER, the last three impossible."""
+  logits = np.full((rows, 10), -np.inf, np.float32)
+  logits[:, ORDER] = np.log(PROBS)
+  return logits
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  """A random transformers Gemma 3 (window 4, local-global-local: a scanned block and an
+  unscanned layer) and its two right-padded prompts of 7 and 3 tokens."""
+  model = random_model(3, num_hidden_layers=3, num_key_value_heads=2, sliding_window=4,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+  path = str(tmp_path_factory.mktemp("gemma3"))
+  model.save_pretrained(path)
+  config, params = gj.hf.load(path)
+  prompts = np.random.RandomState(1).randint(3, VOCAB, (2, 7)).astype(np.int32)
+  lengths = np.array([7, 3], np.int32)
+  prompts = prompts * (np.arange(7) < lengths[:, None])
+  return model, config, params, prompts, lengths, decoding.make_decoding(config)
+
+
+def run(checkpoint, seed=0, eos=1, **options):
+  _, _, params, prompts, lengths, dec = checkpoint
+  options = dict(dict(temperature=0.0), **options)
+  return np.asarray(sampler.generate(
+      dec, params, prompts, lengths, jax.random.key(seed),
+      np.asarray([eos], np.int32), max_new_tokens=NEW, cache_length=7 + NEW - 1,
+      cache_dtype="float32", **options))
+
+
+def until_eos(row, eos):
+  """The tokens up to and including the first `eos`."""
+  stops = np.flatnonzero(row == eos)
+  return row[:stops[0] + 1] if len(stops) else row
+
+
+def test_greedy_equals_transformers_generate(checkpoint):
+  model, config, _, prompts, lengths, _ = checkpoint
+  eos = model.generation_config.eos_token_id
+  eos = eos[0] if isinstance(eos, list) else eos
+  ours = run(checkpoint, eos=eos)
+  for b, length in enumerate(lengths):
+    with torch.no_grad():
+      theirs = model.generate(torch.as_tensor(prompts[b:b + 1, :length]), do_sample=False,
+                              max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    np.testing.assert_array_equal(until_eos(ours[b], eos), theirs[0, length:].numpy())
+  assert config.model.sliding_window < lengths[0] + NEW
+
+
+def test_rows_stop_at_their_own_eos(checkpoint):
+  free = run(checkpoint, eos=-1)
+  stop = free[0, 0]                              # row 0 stops at once
+  stopped = run(checkpoint, eos=stop)
+  for b in range(2):
+    kept = until_eos(free[b], stop)
+    np.testing.assert_array_equal(stopped[b, :len(kept)], kept)
+    np.testing.assert_array_equal(stopped[b, len(kept):], 0)
+  assert stopped[0, 0] == stop and np.all(stopped[0, 1:] == 0)
+
+
+def test_seeded_sampling_is_reproducible(checkpoint):
+  options = dict(temperature=1.0, top_k=50, top_p=0.95, eos=-1)
+  first, again, other = (run(checkpoint, seed=s, **options) for s in (0, 0, 1))
+  np.testing.assert_array_equal(first, again)
+  assert (first != other).any()
+
+
+@pytest.mark.parametrize("options, allowed", [
+    (dict(temperature=1.0, top_k=3), [0, 1, 2]),
+    (dict(temperature=1.0, top_p=0.55), [0, 1]),            # 0.35 < 0.55 <= 0.35 + 0.25
+    (dict(temperature=1.0, top_k=3, top_p=0.5), [0, 1]),    # top-p of the top-3 renormalised
+    (dict(temperature=0.5, top_p=0.7), [0, 1]),             # temperature first: p^2, renormalised
+    (dict(temperature=1.0), list(range(7))),
+])
+def test_top_k_and_top_p_emit_only_allowed_tokens(options, allowed):
+  picks = np.asarray(jax.jit(lambda l, k: sampler.choose(l, k, **options))(
+      built_logits(4000), jax.random.key(0)))
+  assert set(picks.tolist()) == set(ORDER[allowed].tolist())
+  expected = PROBS[allowed] ** (1 / options["temperature"])
+  frequencies = [np.mean(picks == ORDER[i]) for i in allowed]
+  np.testing.assert_allclose(frequencies, expected / expected.sum(), atol=0.03)
+
+
+def test_greedy_is_the_argmax():
+  assert sampler.choose(jnp.asarray(built_logits(1)), None, temperature=0.0)[0] == ORDER[0]
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(top_k=-2), "top_k must be an integer >= 0"),
+    (dict(top_p=0.0), r"top_p must lie in \(0, 1\]"),
+])
+def test_bad_options_name_themselves(options, message):
+  with pytest.raises(ValueError, match=message):
+    sampler.check_options(**dict(dict(temperature=1.0, top_k=0, top_p=1.0), **options))

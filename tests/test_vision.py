@@ -1,0 +1,396 @@
+"""Gemma 3's vision tower and image inputs against transformers (PyTorch) and Pillow:
+soft tokens, scan vs unrolled, remat, gradients, the weight mapping, preprocessing,
+placeholder spans and the merge helpers."""
+
+import functools
+
+import chex
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from absl.testing import parameterized
+from PIL import Image
+from transformers.models.gemma3 import modeling_gemma3
+from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+import gemma_jax as gj
+from gemma_jax import hf_vision
+from gemma_jax import image_inputs
+from gemma_jax import remat
+from gemma_jax.config import ConfigError, vision_config
+from gemma_jax.models import vision
+
+TEXT_WIDTH = 48
+VISION = dict(image_size=56, patch_size=14, width=32, num_layers=3, num_heads=4, mlp_dim=40,
+              tokens_per_image=4)      # 4 x 4 patches pooled 2 x 2
+BOI, EOI, IMAGE = 290, 291, 292
+
+
+def tiny_config():
+  c = vision_config()
+  c.update(dict(VISION, enabled=True))
+  return c
+
+
+@functools.lru_cache(maxsize=None)
+def reference():
+  """A tiny transformers Gemma 3 with random vision weights (norms and projector included),
+  three images and its vision outputs: (model, pixels NCHW, encoder output, soft tokens)."""
+  torch.manual_seed(0)
+  config = transformers.Gemma3Config(
+      vision_config=dict(hidden_size=VISION["width"], intermediate_size=VISION["mlp_dim"],
+                         num_hidden_layers=VISION["num_layers"],
+                         num_attention_heads=VISION["num_heads"],
+                         image_size=VISION["image_size"], patch_size=VISION["patch_size"],
+                         vision_use_head=False),
+      text_config=dict(vocab_size=300, hidden_size=TEXT_WIDTH, intermediate_size=64,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16),
+      mm_tokens_per_image=VISION["tokens_per_image"], boi_token_index=BOI,
+      eoi_token_index=EOI, image_token_index=IMAGE)
+  model = transformers.Gemma3ForConditionalGeneration(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "vision_tower" in name or "multi_modal_projector" in name:
+        p.normal_(0.0, 0.2 if name.endswith("weight") and p.ndim > 1 else 0.5)
+  pixels = torch.randn(3, 3, VISION["image_size"], VISION["image_size"])
+  with torch.no_grad():
+    out = model.model.get_image_features(pixels)
+  return model, pixels, out.last_hidden_state.numpy(), out.pooler_output.numpy()
+
+
+def nhwc(pixels):
+  return jnp.asarray(pixels.numpy().transpose(0, 2, 3, 1))
+
+
+def our_params(scan=True):
+  return {"params": hf_vision.params_from_state_dict(reference()[0].state_dict(), tiny_config(),
+                                                     TEXT_WIDTH, scan)}
+
+
+def by_canonical_name(state):
+  """{any transformers layout name: tensor} -> {canonical name: numpy array} (vision only)."""
+  return {hf_vision.canonical_name(k): np.asarray(v) for k, v in state.items()
+          if hf_vision.canonical_name(k)}
+
+
+class VisionTowerTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(("scanned", True), ("unrolled", False))
+  def test_matches_transformers(self, scan):
+    _, pixels, ref_features, ref_tokens = reference()
+    tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, scan_layers=scan)
+    params = our_params(scan)
+    tokens = self.variant(tower.apply)(params, nhwc(pixels))
+    features = self.variant(functools.partial(tower.apply, method=tower.encode))(
+        params, nhwc(pixels))
+    chex.assert_shape(tokens, (3, 4, TEXT_WIDTH))
+    chex.assert_shape(features, (3, 16, VISION["width"]))
+    np.testing.assert_allclose(features, ref_features, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(tokens, ref_tokens, rtol=0, atol=1e-5)
+
+  def test_scanned_equals_unrolled_and_keeps_leading_dims(self):
+    _, pixels, _, ref_tokens = reference()
+    outs = {}
+    for scan in (True, False):
+      tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, scan_layers=scan)
+      images = nhwc(pixels)[None]                                   # [B=1, I=3, S, S, C]
+      outs[scan] = jax.jit(tower.apply)(our_params(scan), images)
+      chex.assert_shape(outs[scan], (1, 3, 4, TEXT_WIDTH))
+    chex.assert_trees_all_close(outs[True], outs[False], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(outs[True][0], ref_tokens, rtol=0, atol=1e-5)
+
+  def test_init_layout_and_logical_axes(self):
+    boxed = vision.VisionTower(tiny_config(), TEXT_WIDTH).init(jax.random.key(0),
+                                                               jnp.zeros((1, 56, 56, 3)))
+    specs = flax.traverse_util.flatten_dict(nn.get_partition_spec(boxed["params"]))
+    shapes = flax.traverse_util.flatten_dict(nn.meta.unbox(boxed["params"]))
+    # Same shapes as the parameters converted from transformers.
+    converted = flax.traverse_util.flatten_dict(our_params()["params"])
+    self.assertEqual({k: v.shape for k, v in shapes.items()},
+                     {k: v.shape for k, v in converted.items()})
+    known = {"batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab",
+             "expert", "layers", "norm", None}
+    for path, spec in specs.items():
+      self.assertEqual(len(spec), shapes[path].ndim, path)
+      self.assertLessEqual(set(spec), known, path)
+      if path[:2] == ("encoder", "layers"):
+        self.assertEqual(spec[0], "layers", path)
+    self.assertEqual(tuple(specs[("encoder", "layers", "attn", "q", "kernel")]),
+                     ("layers", "embed", "heads", "head_dim"))
+
+
+def torch_grads(cotangent):
+  """d<soft tokens, cotangent>/d(pixels, vision weights) by torch autograd."""
+  model, pixels, _, _ = reference()
+  pixels = pixels.clone().requires_grad_(True)
+  model.zero_grad()
+  out = model.model.get_image_features(pixels).pooler_output
+  (out * torch.as_tensor(cotangent)).sum().backward()
+  grads = {name: p.grad.numpy() for name, p in model.named_parameters() if p.grad is not None}
+  return pixels.grad.numpy(), grads
+
+
+@functools.lru_cache(maxsize=None)
+def remat_reference():
+  """Loss, pixel and parameter gradients without remat (scanned)."""
+  cotangent = np.random.RandomState(1).randn(3, 4, TEXT_WIDTH).astype(np.float32)
+  pixels = nhwc(reference()[1])
+  params = our_params()
+  return cotangent, pixels, params, jax.jit(jax.value_and_grad(
+      loss_fn("none", cotangent), argnums=(0, 1)))(params, pixels)
+
+
+def loss_fn(remat_policy, cotangent):
+  tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, remat_policy=remat_policy)
+  return lambda params, pixels: jnp.sum(tower.apply(params, pixels) * cotangent)
+
+
+def test_gradients_match_torch_autograd():
+  cotangent, _, _, (_, (grads, pixel_grads)) = remat_reference()
+  torch_pixel_grads, torch_param_grads = torch_grads(cotangent)
+  np.testing.assert_allclose(pixel_grads, torch_pixel_grads.transpose(0, 2, 3, 1), rtol=0,
+                             atol=1e-5)
+  ours = by_canonical_name(hf_vision.params_to_state_dict(grads["params"]))
+  theirs = by_canonical_name(torch_param_grads)
+  assert set(ours) == set(theirs)
+  for name, value in ours.items():
+    scale = max(1.0, np.abs(theirs[name]).max())
+    np.testing.assert_allclose(value, theirs[name], rtol=0, atol=1e-5 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("policy", sorted(p for p in remat.POLICIES if p != "none"))
+def test_remat_policy_keeps_output_and_grads(policy):
+  cotangent, pixels, params, (loss, grads) = remat_reference()
+  remat_loss, remat_grads = jax.jit(jax.value_and_grad(
+      loss_fn(policy, cotangent), argnums=(0, 1)))(params, pixels)
+  np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
+  chex.assert_trees_all_close(remat_grads, grads, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- mapping
+
+
+def test_mapping_round_trips_every_layout():
+  state = {k: v.numpy() for k, v in reference()[0].state_dict().items()}
+  expected = by_canonical_name(state)
+  # transformers 4's saved layout: SigLIP keeps its own "vision_model." below the tower.
+  v4 = {k.replace("model.vision_tower.", "vision_tower.vision_model.")
+         .replace("model.multi_modal_projector.", "multi_modal_projector."): v
+        for k, v in state.items()}
+  for layout in (state, v4):
+    for scan in (True, False):
+      params = hf_vision.params_from_state_dict(layout, tiny_config(), TEXT_WIDTH, scan)
+      saved = hf_vision.params_to_state_dict(params)
+      # Written in the published layout, whatever was read.
+      assert set(saved) == {k for k in v4 if k.startswith(("vision_tower.vision_model.",
+                                                             "multi_modal_projector."))}
+      got = by_canonical_name(saved)
+      assert set(got) == set(expected)
+      for name, value in got.items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_mapping_names_missing_and_misshapen_tensors():
+  state = dict(reference()[0].state_dict())
+  name = "model.vision_tower.encoder.layers.1.mlp.fc2.weight"
+  missing = {k: v for k, v in state.items() if k != name}
+  with pytest.raises(KeyError, match="encoder.layers.1.mlp.fc2.weight"):
+    hf_vision.params_from_state_dict(missing, tiny_config(), TEXT_WIDTH)
+  misshapen = dict(state, **{name: state[name][:, :-1]})
+  with pytest.raises(ValueError, match="mlp.fc2.weight"):
+    hf_vision.params_from_state_dict(misshapen, tiny_config(), TEXT_WIDTH)
+
+
+def test_default_config_counts_as_transformers_gemma3_4b():
+  """vision_config()'s defaults: SigLIP-So400m at 896 px and the 4B projector."""
+  c = vision_config()
+  hf = transformers.SiglipVisionConfig(
+      hidden_size=c.width, intermediate_size=c.mlp_dim, num_hidden_layers=c.num_layers,
+      num_attention_heads=c.num_heads, image_size=c.image_size, patch_size=c.patch_size,
+      layer_norm_eps=c.layer_norm_eps, vision_use_head=False)
+  with torch.device("meta"):
+    tower = transformers.SiglipVisionModel(hf)
+    projector = modeling_gemma3.Gemma3MultiModalProjector(transformers.Gemma3Config(
+        vision_config=hf.to_dict(), text_config=dict(hidden_size=2560),
+        mm_tokens_per_image=c.tokens_per_image))
+  expected = sum(p.numel() for m in (tower, projector) for p in m.parameters())
+  shapes = hf_vision.param_shapes(c, 2560)
+  assert sum(int(np.prod(s)) for s in shapes.values()) == expected == 419_816_304
+  assert projector.kernel_size == 4 and c.width // c.num_heads == 72
+  hf_ids = transformers.Gemma3Config()
+  assert (c.boi_token_id, c.eoi_token_id, c.image_token_id) == (
+      hf_ids.boi_token_id, hf_ids.eoi_token_id, hf_ids.image_token_id)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("patch_size", 15), ("num_heads", 5), ("tokens_per_image", 255),
+    ("tokens_per_image", 49), ("tokens_per_image", 256), ("activation", "swish"),
+    ("layer_norm_eps", 0.0), ("eoi_token_id", 508), ("image_token_id", 512),
+    ("num_layers", 0),
+])
+def test_validate_names_the_field(field, value):
+  config = gj.get_config("gemma3-tiny-vision")     # sliding_window 64, vocabulary 512
+  gj.validate(config)
+  config.model.vision[field] = value
+  with pytest.raises(ConfigError) as error:
+    gj.validate(config)
+  assert error.value.field == f"model.vision.{field}"
+  assert str(error.value).startswith(f"config.model.vision.{field}: ")
+
+
+def test_vision_needs_the_gemma3_block():
+  config = gj.get_config("gemma4-tiny")
+  config.model.vision.enabled = True
+  with pytest.raises(ConfigError, match="model.vision.enabled"):
+    gj.validate(config)
+
+
+# ----------------------------------------------------------------------------- pixels
+
+
+def generated_image(h, w, channels=3, seed=0):
+  """Smooth gradients plus noise, uint8."""
+  rng = np.random.RandomState(seed)
+  y, x = np.mgrid[:h, :w]
+  base = np.stack([(x * 255 // max(w - 1, 1)), (y * 255 // max(h - 1, 1)),
+                   ((x + y) * 7) % 256, np.full_like(x, 180)], -1)[..., :channels]
+  return np.clip(base + rng.randint(-30, 31, base.shape), 0, 255).astype(np.uint8)
+
+
+# (90, 70) and (120, 41): the height shrinks most, so Pillow resamples it first.
+@pytest.mark.parametrize("h,w,out", [(30, 41, 28), (301, 203, 56), (9, 13, 56), (56, 56, 56),
+                                     (90, 70, 56), (120, 41, 28)])
+def test_resize_is_pillows(h, w, out):
+  image = generated_image(h, w)
+  ref = np.asarray(Image.fromarray(image).resize((out, out + 3), Image.BILINEAR))
+  np.testing.assert_array_equal(image_inputs.resize_bilinear(image, out + 3, out), ref)
+  floats = np.random.RandomState(h).rand(h, w, 3).astype(np.float32)
+  ref = np.stack([np.asarray(Image.fromarray(floats[..., i], mode="F").resize(
+      (out, out + 3), Image.BILINEAR)) for i in range(3)], -1)
+  np.testing.assert_allclose(image_inputs.resize_bilinear(floats, out + 3, out), ref, rtol=0,
+                             atol=1e-6)
+
+
+def test_preprocessing_matches_transformers(tmp_path):
+  processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+  png = generated_image(90, 70, seed=3)
+  Image.fromarray(png).save(tmp_path / "image.png")
+  np.save(tmp_path / "image.npy", png)
+  cases = {
+      "rgb_down": (generated_image(300, 200), generated_image(300, 200)),
+      "rgb_up": (generated_image(20, 33), generated_image(20, 33)),
+      "rgba": (generated_image(64, 80, 4), generated_image(64, 80, 4)),
+      "grey": (generated_image(50, 60)[..., 0], Image.fromarray(generated_image(50, 60)[..., 0])),
+      "png_file": (str(tmp_path / "image.png"), Image.open(tmp_path / "image.png")),
+      "npy_file": (str(tmp_path / "image.npy"), png),
+      "pil_image": (Image.fromarray(png), Image.fromarray(png)),
+  }
+  for name, (ours_in, theirs_in) in cases.items():
+    ours = image_inputs.preprocess_image(ours_in, 56)
+    theirs = processor(images=theirs_in, return_tensors="np")["pixel_values"][0]
+    assert ours.dtype == np.float32 and ours.shape == (56, 56, 3), name
+    np.testing.assert_allclose(ours, theirs.transpose(1, 2, 0), rtol=0, atol=1e-5,
+                               err_msg=name)
+  batch = image_inputs.preprocess_images([png, png[:40]], 56)
+  chex.assert_shape(batch, (2, 56, 56, 3))
+
+
+def test_float_images_resize_without_quantisation():
+  floats = np.random.RandomState(0).rand(40, 30, 3)
+  ours = image_inputs.preprocess_image(floats, 28)
+  ref = np.stack([np.asarray(Image.fromarray(floats[..., i].astype(np.float32), mode="F")
+                             .resize((28, 28), Image.BILINEAR)) for i in range(3)], -1)
+  np.testing.assert_allclose(ours, (ref.astype(np.float64) - 0.5) / 0.5, rtol=0, atol=1e-6)
+  with pytest.raises(ValueError, match=r"\[0, 1\]"):
+    image_inputs.preprocess_image(floats * 2, 28)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+NEWLINES = {k: 4 + k for k in range(1, 6)}   # ids of "\n" * k in the tiny vocabulary
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_processor():
+  """Gemma3Processor over a tiny Gemma tokenizer whose vocabulary holds newline runs of
+  1..5 (as Gemma's holds runs up to 31) and the three image tokens."""
+  vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4}
+  vocab.update({"\n" * k: i for k, i in NEWLINES.items()})
+  for piece in ("a", "b", "c", "▁", ".", "<start_of_image>", "<end_of_image>",
+                "<image_soft_token>"):
+    vocab[piece] = len(vocab)
+  # Ranked so that every run of up to 5 newlines is one piece, as in Gemma's vocabulary.
+  merges = [("\n", "\n"), ("\n\n", "\n\n"), ("\n\n", "\n"), ("\n\n\n\n", "\n")]
+  tokenizer = transformers.GemmaTokenizer(
+      vocab=vocab, merges=merges,
+      extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                            "image_token": "<image_soft_token>"})
+  return Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28,
+                                                                        "width": 28}),
+                         tokenizer=tokenizer, image_seq_length=3)
+
+
+PROMPTS = ["a<start_of_image>b", "a.\n<start_of_image>b", "ab<start_of_image>\nc",
+           "<start_of_image><start_of_image>", "a\n\n<start_of_image>\n<start_of_image>.",
+           "a b c", "<start_of_image>"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_placeholders_match_gemma3_processor(prompt):
+  processor = tiny_processor()
+  tok = processor.tokenizer
+  count = prompt.count("<start_of_image>")
+  images = [[generated_image(30, 30)] * count] if count else None
+  expected = processor(text=[prompt], images=images, return_tensors="np")
+  ids = expected["input_ids"][0].tolist()
+  ids_args = dict(boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id,
+                  image_token_id=tok.image_token_id, tokens_per_image=3)
+  prompt_ids = tok(prompt)["input_ids"]
+  # On ids, with the vocabulary's newline runs: exactly the processor's ids.
+  assert image_inputs.insert_image_placeholders(prompt_ids, newline_ids=NEWLINES,
+                                                **ids_args) == ids
+  # On text, then tokenized: the same.
+  assert tok(image_inputs.expand_image_markers(
+      prompt, 3, boi_token=tok.boi_token, eoi_token=tok.eoi_token,
+      image_token=tok.image_token))["input_ids"] == ids
+  # The spans transformers makes bidirectional are the runs image_span_ids numbers.
+  token_type_ids = torch.as_tensor(expected["token_type_ids"])
+  blocks = modeling_gemma3.get_block_sequence_ids_for_mask(token_type_ids).numpy()
+  spans = np.asarray(vision.image_span_ids(jnp.asarray([ids]), tok.image_token_id))
+  np.testing.assert_array_equal(spans, blocks + 1)
+
+
+def test_placeholders_without_newline_runs_use_double_newline_id():
+  """With only the "\\n\\n" id (Gemma's own tools): spans not next to newlines match."""
+  tok = tiny_processor().tokenizer
+  for prompt in ("a<start_of_image>b", "ab c<start_of_image>"):
+    ids = tiny_processor()(text=[prompt], images=[[generated_image(30, 30)]])["input_ids"][0]
+    got = image_inputs.insert_image_placeholders(
+        tok(prompt)["input_ids"], boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id,
+        image_token_id=tok.image_token_id, tokens_per_image=3, newline_ids=NEWLINES[2])
+    assert got == list(ids)
+
+
+def test_merge_soft_tokens_is_transformers_masked_scatter():
+  rng = np.random.RandomState(0)
+  m, d = 3, 8
+  rows = [[7, BOI] + [IMAGE] * m + [EOI, 9, BOI] + [IMAGE] * m + [EOI, 1],
+          [BOI] + [IMAGE] * m + [EOI, 5, 6, 7, 8, 9, 10, 11, 12]]
+  tokens = np.asarray(rows)
+  embeddings = rng.randn(2, tokens.shape[1], d).astype(np.float32)
+  soft = rng.randn(2, 2, m, d).astype(np.float32)        # row 1's second image is padding
+  used = np.concatenate([soft[0, 0], soft[0, 1], soft[1, 0]])
+  mask = torch.as_tensor(tokens == IMAGE)[..., None].expand(-1, -1, d)
+  expected = torch.as_tensor(embeddings).masked_scatter(mask, torch.as_tensor(used)).numpy()
+  got = jax.jit(vision.merge_soft_tokens, static_argnums=3)(
+      jnp.asarray(embeddings), jnp.asarray(tokens), jnp.asarray(soft), IMAGE)
+  np.testing.assert_array_equal(got, expected)
