@@ -1,0 +1,116 @@
+r"""Times the MoE dispatches (gemma_jax.layers.expert_dispatch) on the default backend.
+
+    python benchmarks/moe_dispatch.py                       # 8..128 experts, a table + JSON
+    python benchmarks/moe_dispatch.py --experts=8,32 --tokens=4096 --out=/tmp/moe.json
+
+For each expert count: the forward, and the forward + backward (gradients of x and
+every weight), of each dispatch on the same routing, plus "routed": the same matmuls on
+the M * k routed rows with one expert's weights and no routing at all (the work a
+perfect grouped matmul would do). The loop dispatch is also timed with several row
+blocks (`grouped_matmul.BLOCK_ROWS` is the default). Times are medians in ms.
+"""
+
+import json
+import platform
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma_jax.layers import expert_dispatch
+from gemma_jax.layers.mlp import ACTIVATIONS
+
+_EXPERTS = flags.DEFINE_list("experts", ["8", "16", "32", "64", "128"], "Expert counts E.")
+_TOKENS = flags.DEFINE_integer("tokens", 2048, "Tokens M (= batch x length).")
+_TOP_K = flags.DEFINE_integer("top_k", 2, "Experts per token k.")
+_D_MODEL = flags.DEFINE_integer("d_model", 256, "Model width D.")
+_MLP_DIM = flags.DEFINE_integer("expert_mlp_dim", 256, "Expert hidden width F.")
+_BLOCKS = flags.DEFINE_list("loop_blocks", ["16", "32", "64", "128"],
+                            "Row blocks to time the loop dispatch with.")
+_DISPATCHES = flags.DEFINE_list("dispatches", ["dense", "ragged", "loop"],
+                                "Dispatches to time.")
+_SECONDS = flags.DEFINE_float("seconds", 1.0, "Least time spent timing each function.")
+_OUT = flags.DEFINE_string("out", None, "JSON output; default moe_dispatch_<backend>.json.")
+
+ACTIVATION = ACTIVATIONS["gelu_tanh"]
+
+
+def median_ms(fn, *args) -> float:
+  """Median wall time of fn(*args) after a compiling call; at least 3 runs."""
+  jax.block_until_ready(fn(*args))
+  times, start = [], time.perf_counter()
+  while len(times) < 3 or time.perf_counter() - start < _SECONDS.value:
+    t = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t)
+  return 1e3 * float(np.median(times))
+
+
+def problem(num_experts: int, seed: int = 0):
+  """Tokens, a softmax top-k routing of random logits, and expert weights."""
+  m, d, f, k = _TOKENS.value, _D_MODEL.value, _MLP_DIM.value, _TOP_K.value
+  keys = jax.random.split(jax.random.key(seed), 5)
+  x = jax.random.normal(keys[0], (m, d))
+  weights, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(keys[1], (m, num_experts))), k)
+  gate, up = (jax.random.normal(key, (num_experts, d, f)) * d ** -0.5 for key in keys[2:4])
+  down = jax.random.normal(keys[4], (num_experts, f, d)) * f ** -0.5
+  return x, ids, weights, gate, up, down
+
+
+def timings(dispatch, x, ids, weights, gate, up, down) -> dict:
+  """{"forward": ms, "backward": ms (forward + gradients)}."""
+  run = lambda x, gate, up, down: dispatch(x, ids, weights, gate, up, down, ACTIVATION)
+  loss = lambda *args: jnp.sum(jnp.square(run(*args)))
+  return {"forward": median_ms(jax.jit(run), x, gate, up, down),
+          "backward": median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
+                                x, gate, up, down)}
+
+
+def routed_baseline(x, ids, weights, gate, up, down):
+  """The dispatches' matmuls on M * k rows with expert 0's weights, without routing."""
+  rows = jnp.repeat(x, ids.shape[1], axis=0)
+  mlp = lambda x, gate, up, down: (ACTIVATION(rows @ gate[0]) * (rows @ up[0])) @ down[0]
+  return timings(lambda x, _, __, gate, up, down, ___: mlp(x, gate, up, down),
+                 x, ids, weights, gate, up, down)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  backend = jax.default_backend()
+  results = []
+  for num_experts in [int(e) for e in _EXPERTS.value]:
+    args = problem(num_experts)
+    row = {"experts": num_experts, "routed": routed_baseline(*args)}
+    for name in _DISPATCHES.value:
+      row[name] = timings(expert_dispatch.DISPATCHES[name], *args)
+    for block in [int(b) for b in _BLOCKS.value]:
+      loop = lambda *a, block=block: expert_dispatch.loop(*a, block=block)
+      row[f"loop_block_{block}"] = timings(loop, *args)
+    results.append(row)
+    print(f"E={num_experts}: " + ", ".join(
+        f"{k} {v['forward']:.1f}/{v['backward']:.1f}" for k, v in row.items() if k != "experts"),
+          flush=True)
+
+  columns = [k for k in results[0] if k != "experts"]
+  print(f"\nbackend {backend}, M={_TOKENS.value} tokens, k={_TOP_K.value}, "
+        f"D={_D_MODEL.value}, F={_MLP_DIM.value}; ms forward / forward+backward")
+  print("| E | " + " | ".join(columns) + " |")
+  print("|---" * (len(columns) + 1) + "|")
+  for row in results:
+    print(f"| {row['experts']} | " + " | ".join(
+        f"{row[c]['forward']:.1f} / {row[c]['backward']:.1f}" for c in columns) + " |")
+  out = _OUT.value or f"moe_dispatch_{backend}.json"
+  with open(out, "w") as f:
+    json.dump({"backend": backend, "device": str(jax.devices()[0]),
+               "machine": platform.machine(), "jax": jax.__version__,
+               "tokens": _TOKENS.value, "top_k": _TOP_K.value, "d_model": _D_MODEL.value,
+               "expert_mlp_dim": _MLP_DIM.value, "results": results}, f, indent=1)
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)
