@@ -39,6 +39,9 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest tokens; 
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Then among the likeliest of this probability "
                             "mass; 1: all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_IMAGE = flags.DEFINE_multi_string("image", [], "An image file for a model with vision "
+                                   "(repeatable); each fills the prompt's next "
+                                   "<start_of_image>, or goes before the prompt's text.")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "Dtype of the cached keys and values; "
                                    "default: bfloat16 on accelerators, else the compute dtype.")
 
@@ -82,7 +85,8 @@ def main(argv):
     tokenizer = tokenizers.get_tokenizer(tokenizer_name, config.model.vocab_size)
     samples = sampler.Sampler(config, params, tokenizer, cache_dtype=_CACHE_DTYPE.value).sample(
         [_PROMPT.value], max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
-        top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value)
+        top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value,
+        images=[_IMAGE.value] if _IMAGE.value else None)
   except (gj.ConfigError, ValueError, OSError) as error:
     sys.exit(f"sample.py: error: {error}")
   count = len(samples.tokens[0])

@@ -135,3 +135,42 @@ def test_cache_bytes_of_gemma3_27b_at_128k():
                           + positions_bytes(length + 1024))
   assert got["full_length"] == 62 * length * kv_bytes_per_position + positions_bytes(2 * length)
   assert got["full_length"] / got["cache"] > 5.9
+
+
+def test_prompts_with_images_decode_like_the_full_forward():
+  """A row with one image (and a padding image) and a row with two: prefill with the
+  images, then 4 text steps, equal the full forward given the same images."""
+  config = gj.get_config("gemma3-tiny-vision")
+  config.model.update(dict(GEMMA, vocab_size=512))
+  v = config.model.vision
+  params = random_params(config)
+  span = [v.boi_token_id] + [v.image_token_id] * v.tokens_per_image + [v.eoi_token_id]
+  prompts = [[2, 40] + span + [41, 42], [2] + span + span + [43]]
+  lengths, steps = np.array([len(p) for p in prompts]), 4
+  width = lengths.max() + steps
+  rng = np.random.RandomState(1)
+  seq = rng.randint(3, 300, (2, width)).astype(np.int32)      # text after the prompts
+  for b, prompt in enumerate(prompts):
+    seq[b, :len(prompt)] = prompt
+  real = np.arange(width)[None] < (lengths[:, None] + steps)
+  images = jnp.asarray(rng.uniform(-1, 1, (2, 2, v.image_size, v.image_size, 3)), jnp.float32)
+  full = np.asarray(gj.transform(config).apply(
+      params, jnp.asarray(seq * real), segment_ids=jnp.asarray(real, jnp.int32), images=images))
+  rows = np.arange(2)
+  padded = np.where(np.arange(lengths.max())[None] < lengths[:, None], seq[:, :lengths.max()], 0)
+  dec = decoding.make_decoding(config)
+  logits, cache = dec.prefill(params, jnp.asarray(padded), jnp.asarray(lengths),
+                              cache_length=width, images=images)
+  got, want = [logits], [full[rows, lengths - 1]]
+  for i in range(steps):
+    logits, cache = dec.decode_step(params, jnp.asarray(seq[rows, lengths + i]), cache)
+    got.append(logits)
+    want.append(full[rows, lengths + i])
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+  # The images matter: without them the prompt's placeholders embed as plain tokens.
+  blank = dec.prefill(params, jnp.asarray(padded), jnp.asarray(lengths), cache_length=width,
+                      images=jnp.zeros_like(images))[0]
+  assert np.abs(np.asarray(blank) - want[0]).max() > 1e-3
+  with pytest.raises(ValueError, match="span 0 holds 1 image_token_id ids"):
+    dec.prefill(params, jnp.asarray(padded[:, :3]), jnp.asarray([3, 3]), cache_length=width,
+                images=images)

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import sentencepiece
 import torch
+from PIL import Image
 
 import gemma_jax as gj
+from gemma_jax import image_inputs
 from gemma_jax.training import checkpoints, optimizer, steps, tokenizers
 from test_hf import random_model
 
@@ -84,4 +86,39 @@ def test_from_a_training_workdir(tmp_path):
            for k, v in overrides.items()]
   stdout = sample_app(f"--config={os.path.join(ROOT, 'configs', 'gemma3_tiny.py')}", *flags,
                       f"--workdir={tmp_path}", f"--prompt={prompt}")
+  assert stdout.startswith(prompt + tokenizer.decode(new) + "\n")
+
+
+def test_describes_an_image_from_a_multimodal_checkpoint(tmp_path):
+  """--image with a tiny random Gemma 3 vision model saved in transformers' layout: the
+  greedy text equals an argmax loop over the full forward given the same image."""
+  config = gj.get_config("gemma3-tiny-vision")
+  config.model.update(num_layers=2, attention_pattern=("local", "global"), sliding_window=8)
+  v = config.model.vision
+  rng = np.random.RandomState(1)
+  shapes = jax.eval_shape(gj.transform(config).init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  params = jax.tree.map(lambda s: rng.normal(0.0, 0.3, s.shape).astype(s.dtype), shapes)
+  gj.hf.save(str(tmp_path / "hf"), config, params)
+  image = rng.randint(0, 256, (70, 90, 3)).astype(np.uint8)
+  Image.fromarray(image).save(tmp_path / "image.png")
+
+  tokenizer = tokenizers.ByteTokenizer()
+  prompt = "A picture of"
+  ids = image_inputs.insert_image_placeholders(
+      [tokenizer.bos_id, v.boi_token_id, *tokenizer.encode([prompt])[0]],
+      boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id,
+      image_token_id=v.image_token_id, tokens_per_image=v.tokens_per_image,
+      newline_ids=v.double_newline_token_id)
+  pixels = jnp.asarray(image_inputs.preprocess_images([image], v.image_size)[None])
+  row = np.zeros((1, len(ids) + NEW), np.int32)
+  row[0, :len(ids)] = ids
+  apply = jax.jit(gj.transform(config).apply)
+  for i in range(len(ids), row.shape[1]):
+    row[0, i] = np.argmax(apply(params, jnp.asarray(row), images=pixels)[0, i - 1])
+  new = row[0, len(ids):].tolist()
+  new = new[:new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
+
+  stdout = sample_app(f"--hf_dir={tmp_path / 'hf'}", "--tokenizer=byte", f"--prompt={prompt}",
+                      f"--image={tmp_path / 'image.png'}")
   assert stdout.startswith(prompt + tokenizer.decode(new) + "\n")

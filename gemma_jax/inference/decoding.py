@@ -26,6 +26,7 @@ from ml_collections import config_dict
 from gemma_jax import config as config_lib
 from gemma_jax.decoder import Decoder, layer_masks, layer_types
 from gemma_jax.layers.attention import Decode, Prefill, attention_mask
+from gemma_jax.models import vision
 from gemma_jax.transformer import _check_tokens
 
 
@@ -97,11 +98,11 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
   model = config_dict.FrozenConfigDict(config.model)
   module = Decoder(model, deterministic=True)
 
-  def run(params, layers, tokens, positions, segment_ids, masks):
+  def run(params, layers, tokens, positions, segment_ids, masks, images=None):
     """The decoder with cache accesses `masks`: (logits, the "cache" collection after)."""
     variables = {"params": params} if layers is None else {"params": params, "cache": layers}
     logits, state = module.apply(variables, tokens, positions, segment_ids, masks=masks,
-                                 mutable=["cache"])
+                                 images=images, mutable=["cache"])
     return logits, state["cache"]
 
   def step(params, tokens: jax.Array, cache: Cache):
@@ -120,25 +121,30 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     return logits[:, 0], Cache(layers, positions, position + 1)
 
   @functools.partial(jax.jit, static_argnames=("cache_length", "cache_dtype"))
-  def _prefill(params, tokens, lengths, cache_length, cache_dtype):
+  def _prefill(params, tokens, lengths, images, cache_length, cache_dtype):
     # All but each row's last token fill the caches (their logits are never computed);
-    # the last one is a decode step, whose logits are the prefill's.
+    # the last one is a decode step, whose logits are the prefill's. Image spans are
+    # bidirectional in the prompt; a whole span ends with its end-of-image token, so none
+    # reaches the last token.
     chunk = tokens[:, :max(tokens.shape[1] - 1, 1)]
     filled = lengths - 1
     index = jnp.broadcast_to(jnp.arange(chunk.shape[1]), chunk.shape)
     segment_ids = (index < filled[:, None]).astype(jnp.int32)
-    full_masks = layer_masks(model, segment_ids)
+    spans = (vision.image_span_ids(chunk, model.vision.image_token_id) * segment_ids
+             if images is not None else None)
+    full_masks = layer_masks(model, segment_ids, spans)
     positions, masks = {}, {}
     for kind, size in ring_sizes(model, cache_length).items():
       sources, positions[kind] = _ring_sources(filled, size)
       masks[kind] = Prefill(full_masks[kind], sources)
-    _, layers = run(params, None, chunk, index, segment_ids, masks)
+    _, layers = run(params, None, chunk, index, segment_ids, masks, images)
     layers = jax.tree.map(lambda a: a.astype(cache_dtype), layers)
     last = jnp.take_along_axis(tokens, filled[:, None], axis=1)[:, 0]
     return step(params, last, Cache(layers, positions, filled))
 
   def prefill(params: dict, tokens: jax.Array, lengths: Optional[jax.Array] = None, *,
-              cache_length: int, cache_dtype: Union[str, jnp.dtype, None] = None):
+              cache_length: int, cache_dtype: Union[str, jnp.dtype, None] = None,
+              images: Optional[jax.Array] = None):
     """Fills the caches with prompts: (logits [B, V] float32 after each row's last prompt
     token, Cache).
 
@@ -149,6 +155,8 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       cache_length: positions the caches cover: prompt plus generated tokens. Past it,
         global layers forget their oldest keys.
       cache_dtype: dtype of the cached keys and values; default `default_cache_dtype`.
+      images: [B, I, S, S, C] pixels for the prompts' image placeholder spans (a model
+        with `vision.enabled`; see `Transformed.apply`).
     """
     if lengths is None:
       lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
@@ -156,8 +164,10 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     if model.trainable_position_size and cache_length > model.trainable_position_size:
       raise ValueError(f"cache_length={cache_length} exceeds the model's "
                        f"trainable_position_size={model.trainable_position_size}")
+    vision.check_image_inputs(tokens, images, model.vision)
     dtype = jnp.dtype(cache_dtype or default_cache_dtype(config)).name
-    return _prefill(params, tokens, jnp.asarray(lengths, jnp.int32), cache_length, dtype)
+    return _prefill(params, tokens, jnp.asarray(lengths, jnp.int32), images, cache_length,
+                    dtype)
 
   _step = jax.jit(step, donate_argnames="cache")
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
+from gemma_jax import image_inputs
 from gemma_jax.inference import decoding as decoding_lib
 
 
@@ -59,17 +60,19 @@ def choose(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int 
     "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "pad_id", "cache_length",
     "cache_dtype"))
 def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, lengths: jax.Array,
-             rng: jax.Array, eos_ids: jax.Array, *, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, pad_id: int = 0,
-             cache_length: int, cache_dtype: str) -> jax.Array:
+             rng: jax.Array, eos_ids: jax.Array, images: Optional[jax.Array] = None, *,
+             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, pad_id: int = 0, cache_length: int,
+             cache_dtype: str) -> jax.Array:
   """Continues right-padded prompts [B, P] of `lengths` [B] tokens: [B, N] int32.
 
   Row b holds its new tokens up to and including its first id in `eos_ids` [E] (E may
   be 0), then `pad_id`. The caches cover `cache_length` >= max(lengths) + N - 1
-  positions. Options as in `choose`; `rng` is split once per step.
+  positions. Options as in `choose`; `rng` is split once per step. `images` [B, I, S,
+  S, C] fill the prompts' image placeholder spans (a model with vision).
   """
   logits, cache = decoding.prefill(params, prompts, lengths, cache_length=cache_length,
-                                   cache_dtype=cache_dtype)
+                                   cache_dtype=cache_dtype, images=images)
   eos = jnp.asarray(eos_ids, jnp.int32)
 
   def pick(logits, rng, done):
@@ -129,13 +132,22 @@ class Sampler:
     return self.sample([prompt], **options).texts[0]
 
   def sample(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Samples:
-    """Continues each prompt by up to `max_new_tokens` tokens; options as in `choose`."""
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             images: Optional[Sequence[Sequence]] = None) -> Samples:
+    """Continues each prompt by up to `max_new_tokens` tokens; options as in `choose`.
+
+    images: per prompt, its images (files, PIL images or arrays; a model with vision).
+      Each fills the prompt's next start-of-image marker; a prompt without markers gets
+      one per image in front of its text.
+    """
     check_options(temperature, top_k, top_p)
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
       raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     t = self.tokenizer
     rows = [np.concatenate([[t.bos_id], ids]) for ids in t.encode(list(prompts))]
+    pixels = None
+    if images is not None:
+      rows, pixels = self._with_images(rows, images)
     lengths = np.asarray([len(row) for row in rows], np.int32)
     tokens = np.full((len(rows), lengths.max()), t.pad_id, np.int32)
     for b, row in enumerate(rows):
@@ -145,9 +157,10 @@ class Sampler:
     static = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
                   top_p=float(top_p), pad_id=t.pad_id, cache_length=cache_length,
                   cache_dtype=self.cache_dtype)
-    args = (self.params, tokens, lengths, jax.random.key(seed), np.asarray([t.eos_id], np.int32))
+    args = (self.params, tokens, lengths, jax.random.key(seed), np.asarray([t.eos_id], np.int32),
+            pixels)
     start = time.perf_counter()
-    key = (tokens.shape, tuple(sorted(static.items())))
+    key = (tokens.shape, None if pixels is None else pixels.shape, tuple(sorted(static.items())))
     if key not in self._compiled:
       self._compiled[key] = generate.lower(self.decoding, *args, **static).compile()
     compiled = time.perf_counter()
@@ -156,3 +169,27 @@ class Sampler:
     new = [row[:np.argmax(row == t.eos_id)] if (row == t.eos_id).any() else row for row in out]
     return Samples([t.decode(ids.tolist()) for ids in new], new, seconds, compiled - start)
 
+  def _with_images(self, rows: list, images: Sequence[Sequence]):
+    """Prompt ids [BOS, ...] per row, images per row -> (rows with each start-of-image
+    marker expanded into its placeholder span, pixels [B, I, S, S, C] padded with zeros)."""
+    v = self.config.model.vision
+    if not v.enabled:
+      raise ValueError("images were given to a model without vision "
+                       "(config.model.vision.enabled is False)")
+    if len(images) != len(rows):
+      raise ValueError(f"images must hold one list per prompt: {len(rows)} prompts, got "
+                       f"{len(images)} lists")
+    expanded = []
+    for row, row_images in zip(rows, images):
+      if row_images and v.boi_token_id not in row:
+        row = np.concatenate([row[:1], [v.boi_token_id] * len(row_images), row[1:]])
+      expanded.append(np.asarray(image_inputs.insert_image_placeholders(
+          row, boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id,
+          image_token_id=v.image_token_id, tokens_per_image=v.tokens_per_image,
+          newline_ids=v.double_newline_token_id), np.int32))
+    most = max(1, max(len(row_images) for row_images in images))
+    pixels = np.zeros((len(rows), most, v.image_size, v.image_size, v.num_channels), np.float32)
+    for b, row_images in enumerate(images):
+      if row_images:
+        pixels[b, :len(row_images)] = image_inputs.preprocess_images(row_images, v.image_size)
+    return expanded, pixels
