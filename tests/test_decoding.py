@@ -43,6 +43,20 @@ def random_params(config, seed=0):
   return jax.tree.map(lambda s: jnp.asarray(rng.normal(0.0, 0.3, s.shape), s.dtype), shapes)
 
 
+def decode_along(dec, params, prefilled, seq, lengths, full, steps):
+  """Decodes `steps` tokens of `seq` [B, W] after prompts of `lengths` [B] from the
+  prefill's (logits, cache): (logits of each step, the full forward's [B, W, V] logits
+  at the same positions, the cache after)."""
+  logits, cache = prefilled
+  rows = np.arange(len(lengths))
+  got, want = [logits], [full[rows, lengths - 1]]
+  for i in range(steps):
+    logits, cache = dec.decode_step(params, jnp.asarray(seq[rows, lengths + i]), cache)
+    got.append(logits)
+    want.append(full[rows, lengths + i])
+  return got, want, cache
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def model(request):
   config = tiny(request.param)
@@ -59,16 +73,10 @@ def test_prefill_then_decode_equals_the_full_forward(model):
   real = np.arange(width)[None] < (lengths[:, None] + steps)
   full = np.asarray(gj.transform(config).apply(params, jnp.asarray(seq * real),
                                                segment_ids=jnp.asarray(real, jnp.int32)))
-  rows = np.arange(3)
   prompts = np.where(np.arange(9)[None] < lengths[:, None], seq[:, :9], 0)
   dec = decoding.make_decoding(config)
-  logits, cache = dec.prefill(params, jnp.asarray(prompts), jnp.asarray(lengths),
-                              cache_length=width)
-  got, want = [logits], [full[rows, lengths - 1]]
-  for i in range(steps):
-    logits, cache = dec.decode_step(params, jnp.asarray(seq[rows, lengths + i]), cache)
-    got.append(logits)
-    want.append(full[rows, lengths + i])
+  prefilled = dec.prefill(params, jnp.asarray(prompts), jnp.asarray(lengths), cache_length=width)
+  got, want, cache = decode_along(dec, params, prefilled, seq, lengths, full, steps)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
 
   # Local rings hold the window, global layers the whole context; scanned caches stack
@@ -156,16 +164,11 @@ def test_prompts_with_images_decode_like_the_full_forward():
   images = jnp.asarray(rng.uniform(-1, 1, (2, 2, v.image_size, v.image_size, 3)), jnp.float32)
   full = np.asarray(gj.transform(config).apply(
       params, jnp.asarray(seq * real), segment_ids=jnp.asarray(real, jnp.int32), images=images))
-  rows = np.arange(2)
   padded = np.where(np.arange(lengths.max())[None] < lengths[:, None], seq[:, :lengths.max()], 0)
   dec = decoding.make_decoding(config)
-  logits, cache = dec.prefill(params, jnp.asarray(padded), jnp.asarray(lengths),
-                              cache_length=width, images=images)
-  got, want = [logits], [full[rows, lengths - 1]]
-  for i in range(steps):
-    logits, cache = dec.decode_step(params, jnp.asarray(seq[rows, lengths + i]), cache)
-    got.append(logits)
-    want.append(full[rows, lengths + i])
+  prefilled = dec.prefill(params, jnp.asarray(padded), jnp.asarray(lengths), cache_length=width,
+                          images=images)
+  got, want, _ = decode_along(dec, params, prefilled, seq, lengths, full, steps)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
   # The images matter: without them the prompt's placeholders embed as plain tokens.
   blank = dec.prefill(params, jnp.asarray(padded), jnp.asarray(lengths), cache_length=width,
