@@ -1,0 +1,84 @@
+"""What every benchmark shares: timing, the machine it ran on, a table and a JSON file.
+
+Benchmarks are scripts, not tests: each prints a markdown table and writes its numbers
+with `write_json`, so a README figure can always be traced to a run.
+"""
+
+import json
+import os
+import platform
+import time
+from typing import Callable, Dict, List, Sequence
+
+import jax
+import numpy as np
+
+import gemma_jax as gj
+from gemma_jax.training import optimizer, steps
+
+
+def median_seconds(fn: Callable[[], object], *, min_runs: int = 3,
+                   min_seconds: float = 1.0) -> float:
+  """Median wall time of fn() (which must block until its work is done), after one
+  warm-up call; at least `min_runs` runs and `min_seconds` of timing."""
+  fn()
+  times, start = [], time.perf_counter()
+  while len(times) < min_runs or time.perf_counter() - start < min_seconds:
+    t = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
+def alternating_medians(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, float]:
+  """Median seconds of each fn over `rounds` rounds that run every fn once in turn, so
+  that a slow phase of the machine falls on all of them alike; one warm-up call each."""
+  for fn in fns.values():
+    fn()
+  times = {name: [] for name in fns}
+  for _ in range(rounds):
+    for name, fn in fns.items():
+      t = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t)
+  return {name: float(np.median(ts)) for name, ts in times.items()}
+
+
+def machine() -> dict:
+  """Where the numbers come from."""
+  return {"backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+          "devices": jax.device_count(), "cpus": os.cpu_count(),
+          "processor": platform.processor() or platform.machine(), "jax": jax.__version__}
+
+
+def print_table(title: str, columns: Sequence[str], rows: List[Sequence]) -> None:
+  """A markdown table under a title line; floats with 3 significant digits."""
+  cell = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+  print(f"\n{title}")
+  print("| " + " | ".join(columns) + " |")
+  print("|" + "---|" * len(columns))
+  for row in rows:
+    print("| " + " | ".join(cell(v) for v in row) + " |")
+
+
+def write_json(path: str, payload: dict) -> None:
+  """payload plus `machine()`, written to path (directories created)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({"machine": machine(), **payload}, f, indent=1)
+  print(f"wrote {path}")
+
+
+def abstract_train_step(config, batch_size: int, seq_len: int):
+  """(the jitted train step of `config` with donated state, its abstract state and
+  batch): lower it with `.lower(state, batch)` without allocating anything."""
+  model = gj.transform(config)
+  schedule = optimizer.learning_rate_schedule(config.optimizer, config.train.steps)
+  tx = optimizer.make_optimizer(config.optimizer, schedule)
+  state = jax.eval_shape(lambda: steps.init_state(model, tx, seed=0, seq_len=seq_len))
+  rows = jax.ShapeDtypeStruct((batch_size, seq_len), np.int32)
+  batch = dict(tokens=rows, segment_ids=rows, positions=rows, targets=rows,
+               weights=jax.ShapeDtypeStruct((batch_size, seq_len), np.float32))
+  step = jax.jit(steps.make_train_step(steps.model_forward(model), tx, schedule),
+                 donate_argnums=0)
+  return step, state, batch

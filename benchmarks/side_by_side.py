@@ -1,0 +1,237 @@
+r"""gemma_jax against transformers' PyTorch Gemma 3 and Gemma 4, same weights, same machine.
+
+    python benchmarks/side_by_side.py                          # both shapes, table + JSON
+    python benchmarks/side_by_side.py --shapes=gemma3 --batch_size=4 --seq_len=256
+    python benchmarks/side_by_side.py --torch=false --shapes=gemma3-1b --dtype=bfloat16
+
+For each shape it builds our model, writes it with `gj.hf.save` and loads that directory
+into transformers (so both run the very same weights; the logits' max difference is
+printed as a check), then times, alternating ours and theirs round by round:
+
+- train step: forward, cross-entropy, backward, global-norm clipping and AdamW (ours: the
+  jitted `gemma_jax.training.steps` train step with donated state; theirs: eager PyTorch);
+- forward: logits of a [B, T] batch (ours: `apply`; theirs: under `torch.no_grad`);
+- greedy decoding: prefill a [B, P] prompt, then N tokens with the KV cache (ours:
+  `sampler.generate`, one jitted while loop; theirs: `generate(do_sample=False)`).
+
+MFU = tokens/s x model FLOPs per token / the peak FLOP/s of a square matmul timed in
+the same run (`gemma_jax.training.flops`). `--torch=false` times ours alone, e.g. a real
+preset on an accelerator.
+"""
+
+import os
+import tempfile
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import common
+import gemma_jax as gj
+from gemma_jax.inference import decoding, sampler
+from gemma_jax.training import data, flops, optimizer, steps
+
+# Small Gemma 3 and Gemma 4-MoE shapes at d_model 512 (CPU-sized), or any preset by name.
+SHAPES = {
+    "gemma3": ("gemma3-tiny", dict(
+        vocab_size=4096, num_layers=6, d_model=512, num_heads=8, num_kv_heads=4, head_dim=64,
+        mlp_dim=2048, sliding_window=128)),
+    "gemma4-moe": ("gemma4-moe-tiny", dict(
+        vocab_size=4096, num_layers=6, d_model=512, num_heads=8, num_kv_heads=4, head_dim=64,
+        global_head_dim=128, global_num_kv_heads=2, mlp_dim=1024, num_experts=8,
+        experts_per_token=2, expert_mlp_dim=512, sliding_window=128)),
+}
+
+_SHAPES = flags.DEFINE_list("shapes", ["gemma3", "gemma4-moe"],
+                            f"Shapes: {sorted(SHAPES)} or preset names.")
+_BATCH = flags.DEFINE_integer("batch_size", 4, "Rows of the train and forward batches.")
+_SEQ = flags.DEFINE_integer("seq_len", 512, "Tokens per row of the train and forward batches.")
+_DECODE_BATCH = flags.DEFINE_integer("decode_batch_size", 1, "Prompts decoded together.")
+_PROMPT = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens P.")
+_NEW = flags.DEFINE_integer("new_tokens", 128, "Greedy tokens N decoded after the prompt.")
+_ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed rounds (ours, then theirs) per measurement.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype of ours (theirs: float32).")
+_REMAT = flags.DEFINE_string("remat_policy", "none", "Our remat policy.")
+_TORCH = flags.DEFINE_bool("torch", True, "Also time transformers' PyTorch model.")
+_OUT = flags.DEFINE_string("out", "side_by_side.json", "JSON output.")
+
+
+def model_config(name: str):
+  preset, shape = SHAPES.get(name, (name, {}))
+  config = gj.get_config(preset)
+  config.model.update(shape)
+  config.model.dtype = _DTYPE.value
+  config.model.remat_policy = _REMAT.value
+  config.optimizer.warmup_steps = 0
+  return config
+
+
+def random_tokens(vocab_size: int, shape, seed: int) -> np.ndarray:
+  return np.random.default_rng(seed).integers(3, vocab_size, shape).astype(np.int32)
+
+
+class Ours:
+  """Our train step, forward and greedy decoding, each a blocking call."""
+
+  def __init__(self, config, tokens: np.ndarray, prompts: np.ndarray):
+    self.config = config
+    self.model = gj.transform(config)
+    schedule = optimizer.learning_rate_schedule(config.optimizer, 1000)
+    tx = optimizer.make_optimizer(config.optimizer, schedule)
+    self.state = steps.init_state(self.model, tx, seed=0, seq_len=tokens.shape[1])
+    self.batch = jax.device_put(data.make_batch(tokens, np.ones_like(tokens)))
+    self.tokens = jnp.asarray(tokens)
+    self._train = jax.jit(steps.make_train_step(steps.model_forward(self.model), tx, schedule),
+                          donate_argnums=0)
+    self.prompts, self.lengths = jnp.asarray(prompts), jnp.full(prompts.shape[:1],
+                                                                 prompts.shape[1], jnp.int32)
+    self._decoding = decoding.make_decoding(config)
+
+  @property
+  def params(self):
+    """The latest parameters (the train step donates the state it is given)."""
+    return self.state.params
+
+  def train_step(self):
+    self.state, metrics = self._train(self.state, self.batch)
+    return float(metrics["loss"])
+
+  def forward(self):
+    return jax.block_until_ready(self.model.apply(self.params, self.tokens))
+
+  def greedy(self) -> np.ndarray:
+    return np.asarray(sampler.generate(
+        self._decoding, self.params, self.prompts, self.lengths, jax.random.key(0),
+        jnp.zeros((0,), jnp.int32), max_new_tokens=_NEW.value, temperature=0.0,
+        cache_length=self.prompts.shape[1] + _NEW.value - 1,
+        cache_dtype=decoding.default_cache_dtype(self.config)))
+
+
+class Theirs:
+  """transformers' model loaded from our checkpoint: the same three calls, eager PyTorch."""
+
+  def __init__(self, path: str, config, tokens: np.ndarray, prompts: np.ndarray):
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+    self.torch = torch
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    o = config.optimizer
+    self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.learning_rate,
+                                       betas=(o.b1, o.b2), eps=o.eps,
+                                       weight_decay=o.weight_decay)
+    self.max_grad_norm = o.max_grad_norm
+    self.tokens = torch.as_tensor(tokens, dtype=torch.long)
+    self.prompts = torch.as_tensor(prompts, dtype=torch.long)
+
+  def train_step(self):
+    torch = self.torch
+    self.model.train()
+    logits = self.model(self.tokens).logits
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), self.tokens[:, 1:].reshape(-1))
+    loss.backward()
+    if self.max_grad_norm:
+      torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+    self.optimizer.step()
+    self.optimizer.zero_grad(set_to_none=True)
+    return float(loss)
+
+  def forward(self):
+    self.model.eval()
+    with self.torch.no_grad():
+      return self.model(self.tokens).logits
+
+  def greedy(self) -> np.ndarray:
+    self.model.eval()
+    with self.torch.no_grad():
+      out = self.model.generate(self.prompts, attention_mask=self.torch.ones_like(self.prompts),
+                                do_sample=False, max_new_tokens=_NEW.value,
+                                min_new_tokens=_NEW.value, pad_token_id=0)
+    return out[:, self.prompts.shape[1]:].numpy()
+
+
+def leading_agreement(a: np.ndarray, b: np.ndarray) -> int:
+  """Tokens every row agrees on before the first difference."""
+  differs = a != b
+  return int(np.min(np.where(differs.any(axis=1), differs.argmax(axis=1), a.shape[1])))
+
+
+def run_shape(name: str, peak: float) -> dict:
+  config = model_config(name)
+  m = config.model
+  b, t = _BATCH.value, _SEQ.value
+  tokens = random_tokens(m.vocab_size, (b, t), seed=0)
+  prompts = random_tokens(m.vocab_size, (_DECODE_BATCH.value, _PROMPT.value), seed=1)
+  ours = Ours(config, tokens, prompts)
+  result = {"shape": name, "model": {k: v for k, v in m.to_dict().items() if k != "vision"},
+            "batch_size": b, "seq_len": t, "decode_batch_size": _DECODE_BATCH.value,
+            "prompt_len": _PROMPT.value, "new_tokens": _NEW.value}
+  calls = {"ours": ours}
+  if _TORCH.value:
+    with tempfile.TemporaryDirectory() as path:
+      gj.hf.save(path, config, ours.params)
+      calls["theirs"] = Theirs(path, config, tokens, prompts)
+    theirs_logits = calls["theirs"].forward().numpy()
+    result["max_logit_difference"] = float(np.abs(np.asarray(ours.forward()) - theirs_logits).max())
+    result["greedy_tokens_agreeing"] = leading_agreement(ours.greedy(), calls["theirs"].greedy())
+
+  rounds = _ROUNDS.value
+  train = common.alternating_medians({k: c.train_step for k, c in calls.items()}, rounds)
+  forward = common.alternating_medians({k: c.forward for k, c in calls.items()}, rounds)
+  greedy = common.alternating_medians({k: c.greedy for k, c in calls.items()}, max(2, rounds // 2))
+  flops_per_token = flops.training_flops_per_token(m, t)
+  for who in calls:
+    result[who] = {
+        "train_step_s": train[who], "train_tokens_per_s": b * t / train[who],
+        "train_mfu": b * t / train[who] * flops_per_token / peak,
+        "forward_s": forward[who], "forward_tokens_per_s": b * t / forward[who],
+        "forward_mfu": b * t / forward[who] * flops_per_token / 3 / peak,
+        "greedy_s": greedy[who],
+        "decode_tokens_per_s": _DECODE_BATCH.value * _NEW.value / greedy[who]}
+  if _TORCH.value:
+    result["ratio_ours_over_theirs"] = {
+        "train_tokens_per_s": train["theirs"] / train["ours"],
+        "forward_tokens_per_s": forward["theirs"] / forward["ours"],
+        "decode_tokens_per_s": greedy["theirs"] / greedy["ours"]}
+  return result
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  peak = flops.measure_peak_flops(_DTYPE.value)
+  print(f"measured matmul peak: {peak / 1e9:.1f} GFLOP/s ({_DTYPE.value}, "
+        f"{jax.default_backend()})")
+  results = []
+  for name in _SHAPES.value:
+    result = run_shape(name, peak)
+    results.append(result)
+    if "max_logit_difference" in result:
+      print(f"{name}: same weights, max |logit difference| "
+            f"{result['max_logit_difference']:.2e}; greedy tokens agreeing: "
+            f"{result['greedy_tokens_agreeing']}/{_NEW.value}", flush=True)
+
+  rows = []
+  for r in results:
+    for who in ("ours", "theirs"):
+      if who in r:
+        x = r[who]
+        rows.append([r["shape"], who, x["train_tokens_per_s"], f"{x['train_mfu']:.1%}",
+                     x["forward_tokens_per_s"], x["decode_tokens_per_s"]])
+    if "ratio_ours_over_theirs" in r:
+      q = r["ratio_ours_over_theirs"]
+      rows.append([r["shape"], "ours / theirs", f"{q['train_tokens_per_s']:.2f}x", "",
+                   f"{q['forward_tokens_per_s']:.2f}x", f"{q['decode_tokens_per_s']:.2f}x"])
+  common.print_table(
+      f"batch {_BATCH.value} x {_SEQ.value} (train, forward); decode {_DECODE_BATCH.value} x "
+      f"({_PROMPT.value} prompt + {_NEW.value} greedy); {_DTYPE.value}; peak "
+      f"{peak / 1e9:.1f} GFLOP/s",
+      ["shape", "who", "train tok/s", "train MFU", "forward tok/s", "decode tok/s"], rows)
+  common.write_json(_OUT.value, {"peak_flops": peak, "dtype": _DTYPE.value,
+                                 "results": results})
+
+
+if __name__ == "__main__":
+  app.run(main)
