@@ -23,7 +23,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import remat
-from gemma_jax.layers.attention import attention_mask, softcap
+from gemma_jax.layers.attention import attention_mask, local_blocks, softcap
 from gemma_jax.layers.embed import Embed, sinusoidal
 from gemma_jax.layers.linear import Linear
 from gemma_jax.models.gemma3 import Gemma3Layer
@@ -59,13 +59,18 @@ def scanned_block_count(config: config_dict.ConfigDict) -> int:
 
 
 def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
-                span_ids: Optional[jax.Array] = None) -> dict:
+                span_ids: Optional[jax.Array] = None, blocked: bool = False) -> dict:
   """{attention type: [B, T, T] mask} for the types present; spans are bidirectional
-  only in `bidirectional_span_types`."""
+  only in `bidirectional_span_types`. With `blocked`, a local layer's mask is
+  `attention.LocalBlocks` where that saves work (T > 2 x window, no spans)."""
   index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
   masks = {}
   for kind in sorted(set(layer_types(config))):
     spans = span_ids if kind in config.bidirectional_span_types else None
+    if (blocked and kind == "local" and spans is None
+        and segment_ids.shape[1] > 2 * config.sliding_window):
+      masks[kind] = local_blocks(segment_ids, config.sliding_window)
+      continue
     masks[kind] = attention_mask(index, index, segment_ids, segment_ids, q_spans=spans,
                                  kv_spans=spans,
                                  window=config.sliding_window if kind == "local" else None)
@@ -118,9 +123,10 @@ class Decoder(nn.Module):
     images: [B, I, S, S, C] normalised pixels (`vision.enabled`); row b's soft tokens
       replace its image placeholders in order, images past its last span are padding.
 
-    masks: {attention type: [B, T, S] mask, or an `attention.Prefill` / `Decode` cache
-      access} replacing the masks built from segment_ids and span_ids (decoding; the
-      layers' caches are then the "cache" collection, see `gemma_jax.inference.decoding`).
+    masks: {attention type: [B, T, S] mask, `attention.LocalBlocks`, or an
+      `attention.Prefill` / `Decode` cache access} replacing the masks built from
+      segment_ids and span_ids (decoding; the layers' caches are then the "cache"
+      collection, see `gemma_jax.inference.decoding`).
     """
     c = self.config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -142,7 +148,7 @@ class Decoder(nn.Module):
                     param_dtype=param_dtype, name="position_embed").encode(positions)
 
     if masks is None:
-      masks = layer_masks(c, segment_ids, span_ids)
+      masks = layer_masks(c, segment_ids, span_ids, blocked=True)
 
     period = len(c.attention_pattern)
     n_blocks = scanned_block_count(c)

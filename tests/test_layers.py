@@ -157,6 +157,24 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
                                rtol=1e-5, atol=1e-5)
 
   @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters((23, 5, None), (20, 5, 3.0), (11, 4, None), (40, 8, None))
+  def test_local_blocks_match_float64_window_mask(self, t, window, cap):
+    """Blocked sliding-window attention (T x 2W logits) equals the dense windowed mask,
+    with T a multiple of the window or not, packed segments and a padded tail."""
+    keys = jax.random.split(jax.random.key(t), 3)
+    q = jax.random.normal(keys[0], (2, t, 4, 8))
+    k, v = (jax.random.normal(key, (2, t, 2, 8)) for key in keys[1:])
+    segments = np.ones((2, t), np.int32)
+    segments[0, t // 3:] = 2
+    segments[1, t - 3:] = 0                       # padding is a segment of its own
+    blocks = attention_lib.local_blocks(jnp.asarray(segments), window)
+    chex.assert_shape(blocks.mask, (2, -(-t // window), window, 2 * window))
+    out = self.variant(lambda *a: attention_lib.local_block_attention(*a, cap))(q, k, v, blocks)
+    chex.assert_shape(out, (2, t, 4, 8))
+    expected = np_attention(q, k, v, np_mask(t, segments, window=window), cap)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
   def test_module_matches_float64(self):
     b, t, d, n, kv, h = 2, 5, 12, 4, 2, 8
     module = attention_lib.Attention(num_heads=n, num_kv_heads=kv, head_dim=h,

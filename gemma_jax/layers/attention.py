@@ -3,6 +3,10 @@
 Dims: B batch, T query length, S key length, D model width, N query heads,
 K key/value heads, G = N / K queries per key head, H head dim.
 
+A sliding-window layer over a long sequence (T > 2W) takes its mask as `LocalBlocks`:
+its queries go in blocks of W, each attending only to its own and the previous block of
+keys, so the work is T x 2W instead of T x T.
+
 Decoding replaces a layer's mask by a cache access (`Prefill` or `Decode`): the layer
 then keeps its keys and values in the "cache" variable collection, a ring of S slots
 ("k", "v": [B, S, K, H]); which position each slot holds is the decoder's bookkeeping
@@ -44,6 +48,50 @@ def attention_mask(q_index: jax.Array, kv_index: jax.Array,
   if q_spans is not None:
     visible |= (q_spans[:, :, None] == kv_spans[:, None, :]) & (q_spans[:, :, None] > 0)
   return visible & (q_segments[:, :, None] == kv_segments[:, None, :])
+
+
+class LocalBlocks(NamedTuple):
+  """A sliding-window layer's mask in blocks of W = window queries: [B, C, W, 2W], C =
+  ceil(T / W). Block c's queries see at most the keys of blocks c - 1 and c."""
+  mask: jax.Array
+
+
+def _block_pairs(x: jax.Array, window: int, pad_value=0) -> jax.Array:
+  """[B, T, ...] -> [B * C, 2W, ...]: each block of W rows after the block before it
+  (`pad_value` before the first block and after the last row)."""
+  b, t = x.shape[:2]
+  c = -(-t // window)
+  pad = [(0, 0), (window, c * window - t)] + [(0, 0)] * (x.ndim - 2)
+  blocks = jnp.pad(x, pad, constant_values=pad_value)
+  blocks = blocks.reshape(b, c + 1, window, *x.shape[2:])
+  pairs = jnp.concatenate([blocks[:, :-1], blocks[:, 1:]], axis=2)
+  return pairs.reshape(b * c, 2 * window, *x.shape[2:])
+
+
+def local_blocks(segment_ids: jax.Array, window: int) -> LocalBlocks:
+  """The causal sliding-window mask of packed rows segment_ids [B, T], in blocks.
+
+  Padding gets segment id -1, which no token of the row has, so nothing sees it.
+  """
+  b, t = segment_ids.shape
+  c = -(-t // window)
+  index = jnp.broadcast_to(jnp.arange(t), (b, t))
+  kv_index, kv_segments = (_block_pairs(a, window, pad_value=-1) for a in (index, segment_ids))
+  q_index, q_segments = kv_index[:, window:], kv_segments[:, window:]
+  mask = attention_mask(q_index, kv_index, q_segments, kv_segments, window=window)
+  return LocalBlocks(mask.reshape(b, c, window, 2 * window))
+
+
+def local_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: LocalBlocks,
+                          logit_softcap: Optional[float] = None) -> jax.Array:
+  """`dot_product_attention` under a `LocalBlocks` mask: q [B, T, N, H], k, v [B, T, K,
+  H] -> [B, T, N, H], computing only the T x 2W logits a window can reach."""
+  b, t = q.shape[:2]
+  c, window = blocks.mask.shape[1:3]
+  queries = _block_pairs(q, window)[:, window:]
+  out = dot_product_attention(queries, _block_pairs(k, window), _block_pairs(v, window),
+                              blocks.mask.reshape(b * c, window, 2 * window), logit_softcap)
+  return out.reshape(b, c * window, *q.shape[2:])[:, :t]
 
 
 def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
@@ -122,11 +170,12 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array,
                mask: Union[jax.Array, Prefill, Decode]) -> jax.Array:
-    """x: [B, T, D], positions: [B, T], mask: [B, T, S=T] or a cache access -> [B, T, D]."""
+    """x: [B, T, D], positions: [B, T], mask: [B, T, S=T], `LocalBlocks` or a cache
+    access -> [B, T, D]."""
     b, t, d = x.shape
     n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
     chex.assert_shape(positions, (b, t))
-    if not isinstance(mask, Decode):
+    if not isinstance(mask, (Decode, LocalBlocks)):
       chex.assert_shape(mask.mask if isinstance(mask, Prefill) else mask, (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
@@ -164,6 +213,8 @@ class Attention(nn.Module):
     elif isinstance(mask, Decode):
       k, v = (self._write_cache(name, new, mask.slots) for name, new in (("k", k), ("v", v)))
       out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap)
+    elif isinstance(mask, LocalBlocks):
+      out = local_block_attention(q, k, v, mask, self.logit_softcap)
     else:
       out = dot_product_attention(q, k, v, mask, self.logit_softcap)
     out = dense((d,), ("heads", "head_dim", "embed"), "out", in_dims=2)(out)
