@@ -162,3 +162,22 @@ def test_long_rows_run_local_layers_in_window_blocks():
   dense = module.apply({"params": params}, toks, positions, segments,
                        masks=decoder.layer_masks(config.model, segments))
   np.testing.assert_allclose(blocked, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("block_type", ["gemma3", "gpt3"])
+def test_dropout_mask_is_shared_along_the_length(block_type):
+  """A layer's output dropout drops the same features at every position of a row and
+  scales what it keeps by 1 / (1 - rate)."""
+  config = tiny(dropout_rate=0.5, block_type=block_type)
+  layer = decoder.LAYERS[block_type](config.model, "global", deterministic=False)
+  x = jax.random.normal(jax.random.key(0), (2, 7, 32))
+  positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+  masks = decoder.layer_masks(config.model, jnp.ones((2, 7), jnp.int32))
+  params = layer.init({"params": jax.random.key(1), "dropout": jax.random.key(2)}, x,
+                      positions, masks)
+  kept = layer.clone(deterministic=True).apply(params, x, positions, masks)
+  dropped = layer.apply(params, x, positions, masks, rngs={"dropout": jax.random.key(3)})
+  zero = np.asarray(dropped == 0)
+  assert 0.2 < zero.mean() < 0.8
+  np.testing.assert_array_equal(zero, np.broadcast_to(zero[:, :1], zero.shape))
+  np.testing.assert_allclose(np.where(zero, 0, kept * 2), dropped, rtol=1e-6)

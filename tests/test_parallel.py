@@ -61,7 +61,7 @@ class ParallelLayerTest(chex.TestCase):
                                                   mutable=["intermediates"]))(params)
     expected = np_parallel_layer(x, params, np.asarray(positions), mask, config.model.norm_eps,
                                  config.model.rope_global_base)
-    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
     stats = {k: v[0] for k, v in state["intermediates"].items()}
     np.testing.assert_allclose(stats["activation_mean"], expected.mean(), rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(stats["activation_stdev"], expected.std(), rtol=1e-4)
