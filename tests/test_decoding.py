@@ -23,8 +23,11 @@ FAMILIES = {
     "gemma4_moe": ("gemma4-moe-tiny", dict(GEMMA, global_head_dim=16, global_num_kv_heads=1,
                                            mlp_dim=32, expert_mlp_dim=16, num_experts=4,
                                            moe_dispatch="dense")),
+    "gemma4_dense": ("gemma4-tiny", dict(GEMMA, global_head_dim=16, global_num_kv_heads=1)),
     # Global layers only, learned positions, fused biased projections, no RoPE.
     "gpt3": ("gpt3-52k", dict(vocab_size=97, num_layers=2)),
+    # Attention and MLP side by side from one norm.
+    "parallel": ("parallel-tiny", dict(GEMMA, attention_pattern=("global",))),
 }
 
 
