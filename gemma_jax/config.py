@@ -17,6 +17,7 @@ from gemma_jax.layers.mlp import ACTIVATIONS
 ATTENTION_TYPES = ("local", "global")
 BLOCK_TYPES = ("gemma3", "gemma4", "gpt3", "parallel")
 MOE_DISPATCHES = ("auto", "ragged", "loop", "dense")
+ATTENTION_KERNELS = ("einsum", "jax")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -55,6 +56,9 @@ def model_config() -> config_dict.ConfigDict:
   # Queries are scaled by query_pre_attn_scalar ** -0.5; None means head_dim.
   c.query_pre_attn_scalar = config_dict.placeholder(float)
   c.attn_logit_softcap = config_dict.placeholder(float)   # tanh cap on attention logits
+  # ATTENTION_KERNELS: "einsum", ours (float32 softmax, soft cap); "jax",
+  # jax.nn.dot_product_attention: cuDNN's fused kernel on GPU in bfloat16/float16.
+  c.attention_kernel = "einsum"
   c.final_logit_softcap = config_dict.placeholder(float)  # tanh cap on output logits
   c.norm_eps = 1e-6                       # RMSNorm epsilon
   c.use_qk_norm = True                    # RMSNorm on queries and keys (per head)
@@ -276,6 +280,11 @@ def _validate_experts(m: config_dict.ConfigDict, need) -> None:
   """The mixture-of-experts fields; `need(ok, field, message)`."""
   need(isinstance(m.num_experts, int) and m.num_experts >= 0, "num_experts",
        f"must be an integer >= 0, got {m.num_experts!r}")
+  need(m.attention_kernel in ATTENTION_KERNELS, "attention_kernel",
+       f"unknown kernel {m.attention_kernel!r}; known: {ATTENTION_KERNELS}")
+  need(m.attention_kernel != "jax" or m.attn_logit_softcap is None, "attention_kernel",
+       "jax.nn.dot_product_attention has no logit soft cap: use 'einsum' with "
+       "attn_logit_softcap")
   need(m.moe_dispatch in MOE_DISPATCHES, "moe_dispatch",
        f"unknown dispatch {m.moe_dispatch!r}; known: {MOE_DISPATCHES}")
   for field in ("load_balance_loss_weight", "router_z_loss_weight"):

@@ -51,7 +51,15 @@ INVALID = [
     ("final_logit_softcap", -1.0, "model.final_logit_softcap", "positive"),
     ("dropout_rate", 1.0, "model.dropout_rate", r"\[0, 1\)"),
     ("norm_eps", 0.0, "model.norm_eps", "positive"),
+    ("attention_kernel", "flash", "model.attention_kernel", "unknown kernel"),
 ]
+
+
+def test_jax_attention_kernel_refuses_a_soft_cap():
+  config = gj.get_config("gemma3-tiny")
+  config.model.update(attention_kernel="jax", attn_logit_softcap=50.0)
+  with pytest.raises(gj.config.ConfigError, match="model.attention_kernel.*soft cap"):
+    gj.validate(config)
 
 
 @pytest.mark.parametrize("field,value,name,message", INVALID)

@@ -181,3 +181,22 @@ def test_dropout_mask_is_shared_along_the_length(block_type):
   assert 0.2 < zero.mean() < 0.8
   np.testing.assert_array_equal(zero, np.broadcast_to(zero[:, :1], zero.shape))
   np.testing.assert_allclose(np.where(zero, 0, kept * 2), dropped, rtol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "gpt3-52k"])
+def test_jax_attention_kernel_matches_einsum(preset):
+  """attention_kernel="jax" (jax.nn.dot_product_attention; XLA's on the CPU) gives the
+  einsum kernel's logits and gradients, blocked local layers and packed rows included."""
+  overrides = dict(vocab_size=97, num_layers=3) if preset == "gpt3-52k" else {}
+  config = tiny(**overrides) if preset == "gemma3-tiny" else gj.get_config(preset)
+  config.model.update(overrides)
+  toks = tokens(t=11)
+  segments = jnp.asarray([[1] * 6 + [2] * 5, [1] * 11])
+  params = gj.transform(config).init(jax.random.key(0), toks)
+  results = {}
+  for kernel in ("einsum", "jax"):
+    config.model.attention_kernel = kernel
+    model = gj.transform(config)
+    loss = lambda p, model=model: jnp.mean(model.apply(p, toks, segment_ids=segments) ** 2)
+    results[kernel] = jax.value_and_grad(loss)(params)
+  chex.assert_trees_all_close(results["jax"], results["einsum"], rtol=1e-5, atol=1e-6)

@@ -13,6 +13,7 @@ then keeps its keys and values in the "cache" variable collection, a ring of S s
 (`gemma_jax.inference.decoding`), shared by all layers of one attention type.
 """
 
+import functools
 from typing import NamedTuple, Optional, Union
 
 import chex
@@ -83,14 +84,16 @@ def local_blocks(segment_ids: jax.Array, window: int) -> LocalBlocks:
 
 
 def local_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: LocalBlocks,
-                          logit_softcap: Optional[float] = None) -> jax.Array:
+                          logit_softcap: Optional[float] = None,
+                          kernel: str = "einsum") -> jax.Array:
   """`dot_product_attention` under a `LocalBlocks` mask: q [B, T, N, H], k, v [B, T, K,
   H] -> [B, T, N, H], computing only the T x 2W logits a window can reach."""
   b, t = q.shape[:2]
   c, window = blocks.mask.shape[1:3]
   queries = _block_pairs(q, window)[:, window:]
   out = dot_product_attention(queries, _block_pairs(k, window), _block_pairs(v, window),
-                              blocks.mask.reshape(b * c, window, 2 * window), logit_softcap)
+                              blocks.mask.reshape(b * c, window, 2 * window), logit_softcap,
+                              kernel)
   return out.reshape(b, c * window, *q.shape[2:])[:, :t]
 
 
@@ -100,11 +103,19 @@ def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                          logit_softcap: Optional[float] = None) -> jax.Array:
+                          logit_softcap: Optional[float] = None,
+                          kernel: str = "einsum") -> jax.Array:
   """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] -> [B, T, N, H].
 
-  Logits and softmax in float32; probabilities cast back to the compute dtype.
+  kernel "einsum": logits and softmax in float32, probabilities cast back to the compute
+  dtype. "jax": `jax.nn.dot_product_attention`, cuDNN's fused kernel on a GPU in
+  bfloat16 or float16, XLA's otherwise (no soft cap).
   """
+  if kernel == "jax":
+    chex.assert_equal(logit_softcap, None)
+    fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=1.0,
+                                        implementation="cudnn" if fused else None)
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)
@@ -147,6 +158,7 @@ class Attention(nn.Module):
     logit_softcap: tanh cap on attention logits, or None.
     fused_qkv: one [D, 3, N, H] projection "qkv" for queries, keys and values (K = N).
     use_bias: biases on the query, key, value and output projections.
+    kernel: "einsum" or "jax", see `dot_product_attention`.
   """
   num_heads: int
   num_kv_heads: int
@@ -164,6 +176,7 @@ class Attention(nn.Module):
   fused_qkv: bool = False
   use_bias: bool = False
   norm_eps: float = 1e-6
+  kernel: str = "einsum"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -205,18 +218,20 @@ class Attention(nn.Module):
     q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
     k = nn.with_logical_constraint(k, ("batch", "length", "kv_heads", "head_dim"))
     v = nn.with_logical_constraint(v, ("batch", "length", "kv_heads", "head_dim"))
+    attend = functools.partial(dot_product_attention, logit_softcap=self.logit_softcap,
+                               kernel=self.kernel)
     if isinstance(mask, Prefill):
-      out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap)
+      out = attend(q, k, v, mask.mask)
       for name, new in (("k", k), ("v", v)):
         self.put_variable("cache", name,
                           jnp.take_along_axis(new, mask.sources[:, :, None, None], axis=1))
     elif isinstance(mask, Decode):
       k, v = (self._write_cache(name, new, mask.slots) for name, new in (("k", k), ("v", v)))
-      out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap)
+      out = attend(q, k, v, mask.mask)
     elif isinstance(mask, LocalBlocks):
-      out = local_block_attention(q, k, v, mask, self.logit_softcap)
+      out = local_block_attention(q, k, v, mask, self.logit_softcap, self.kernel)
     else:
-      out = dot_product_attention(q, k, v, mask, self.logit_softcap)
+      out = attend(q, k, v, mask)
     out = dense((d,), ("heads", "head_dim", "embed"), "out", in_dims=2)(out)
     return checkpoint_name(out, "out_proj")
 

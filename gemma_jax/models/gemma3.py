@@ -57,6 +57,7 @@ class Gemma3Layer(nn.Module):
         rope_fraction=c[f"rope_{kind}_fraction"], use_qk_norm=c.use_qk_norm,
         use_value_norm=c.use_value_norm, k_eq_v=is_global and c.global_k_eq_v,
         norm_plus_one=c.norm_plus_one, logit_softcap=c.attn_logit_softcap, norm_eps=c.norm_eps,
+        kernel=c.attention_kernel,
         dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), name="attn")
 
   def feed_forward(self, x: jax.Array) -> jax.Array:

@@ -35,7 +35,7 @@ class Gpt3Layer(Gemma3Layer):
     return Attention(num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                      query_scale=c.head_dim ** -0.5, use_rope=False, use_qk_norm=False,
                      logit_softcap=c.attn_logit_softcap, fused_qkv=c.fused_qkv, use_bias=True,
-                     dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), name="attn")
+                     kernel=c.attention_kernel, dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), name="attn")
 
   def feed_forward(self, x: jax.Array) -> jax.Array:
     c = self.config
