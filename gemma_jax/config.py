@@ -16,7 +16,7 @@ from gemma_jax.layers.mlp import ACTIVATIONS
 
 ATTENTION_TYPES = ("local", "global")
 BLOCK_TYPES = ("gemma3", "gemma4", "gpt3", "parallel")
-MOE_DISPATCHES = ("auto", "ragged", "loop", "dense")
+MOE_DISPATCHES = ("auto", "ragged", "loop", "gather", "dense")
 ATTENTION_KERNELS = ("einsum", "jax")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -78,7 +78,9 @@ def model_config() -> config_dict.ConfigDict:
   c.num_experts = 0                       # E, routed experts per layer; 0: dense MLP only
   c.experts_per_token = 1                 # k, experts each token is routed to (top-k)
   c.expert_mlp_dim = 0                    # F of each expert's gated MLP
-  c.moe_dispatch = "auto"                 # MOE_DISPATCHES; auto: ragged on GPU/TPU, loop on CPU
+  # MOE_DISPATCHES; auto: gather for fewer routed rows than experts (decoding), else
+  # ragged on GPU/TPU and loop on the CPU.
+  c.moe_dispatch = "auto"
   c.load_balance_loss_weight = 0.0        # weight of the load-balancing loss; 0 disables
   c.router_z_loss_weight = 0.0            # weight of the router z-loss (logsumexp^2); 0 disables
   # Embeddings and logits (every family).

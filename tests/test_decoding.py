@@ -19,10 +19,10 @@ GEMMA = dict(vocab_size=97, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
 FAMILIES = {
     "gemma3": ("gemma3-tiny", GEMMA),
     # Global layers with their own key/value heads and head dim, keys as values, value
-    # norm, partial RoPE; experts (dense dispatch: the dispatches are equal, test_moe.py).
+    # norm, partial RoPE; experts (auto: the loop on prompts, gather on single tokens).
     "gemma4_moe": ("gemma4-moe-tiny", dict(GEMMA, global_head_dim=16, global_num_kv_heads=1,
-                                           mlp_dim=32, expert_mlp_dim=16, num_experts=4,
-                                           moe_dispatch="dense")),
+                                           mlp_dim=32, expert_mlp_dim=16, num_experts=8,
+                                           moe_dispatch="auto")),
     "gemma4_dense": ("gemma4-tiny", dict(GEMMA, global_head_dim=16, global_num_kv_heads=1)),
     # Global layers only, learned positions, fused biased projections, no RoPE.
     "gpt3": ("gpt3-52k", dict(vocab_size=97, num_layers=2)),

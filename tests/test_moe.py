@@ -105,7 +105,7 @@ class DispatchTest(chex.TestCase):
       return self.variant(jax.grad(loss, argnums=range(5)))(x, weights, gate, up, down)
 
     reference = grads(expert_dispatch.dense)
-    for name in ("ragged", "loop"):
+    for name in ("ragged", "loop", "gather"):
       chex.assert_trees_all_close(grads(expert_dispatch.DISPATCHES[name]), reference,
                                   rtol=1e-5, atol=1e-5, custom_message=name)
 
@@ -129,10 +129,11 @@ class DispatchTest(chex.TestCase):
     np.testing.assert_allclose(grad_rows, expected_rows, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grad_weights, expected_weights, rtol=1e-5, atol=1e-5)
 
-  def test_auto_picks_the_loop_on_cpu(self):
+  def test_auto_picks_the_loop_on_cpu_and_gather_for_few_rows(self):
     self.assertEqual(jax.default_backend(), "cpu")
-    self.assertEqual(expert_dispatch.resolve("auto"), "loop")
-    self.assertEqual(expert_dispatch.resolve("dense"), "dense")
+    self.assertEqual(expert_dispatch.resolve("auto", assignments=64, num_experts=8), "loop")
+    self.assertEqual(expert_dispatch.resolve("auto", assignments=4, num_experts=8), "gather")
+    self.assertEqual(expert_dispatch.resolve("dense", assignments=4, num_experts=8), "dense")
 
 
 def random_params(module, x, seed):
@@ -274,7 +275,7 @@ def moe_model():
 def test_model_logits_do_not_depend_on_dispatch(moe_model):
   model, params, batch = moe_model
   expected = model.apply(params, batch["tokens"])
-  for dispatch in ("ragged", "loop"):
+  for dispatch in ("ragged", "loop", "gather"):
     logits = gj.transform(moe_tiny(moe_dispatch=dispatch)).apply(params, batch["tokens"])
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5, err_msg=dispatch)
 

@@ -16,6 +16,9 @@ dropless: every assignment is computed, however unbalanced the routing.
   loop     sorted the same way, the grouped matmuls as loops over experts and blocks
            of rows (`grouped_matmul`): the routed work plus at most one partial block
            per expert. For the CPU.
+  gather   each assignment's expert weights gathered and applied to its token: the
+           routed work exactly, reading M * k expert matrices. For few tokens (decoding),
+           where that is fewer than the E every grouped matmul reads.
 """
 
 import functools
@@ -77,11 +80,23 @@ def loop(x, expert_ids, weights, gate, up, down, activation: Callable,
   return _sorted(x, expert_ids, weights, gate, up, down, activation, matmul)
 
 
-DISPATCHES = {"dense": dense, "ragged": ragged, "loop": loop}
+def gather(x, expert_ids, weights, gate, up, down, activation: Callable) -> jax.Array:
+  """Each token through its k experts' gathered weights ([M, k, D, F] each)."""
+  hidden = (activation(jnp.einsum("md,mkdf->mkf", x, gate[expert_ids]))
+            * jnp.einsum("md,mkdf->mkf", x, up[expert_ids]))
+  out = jnp.einsum("mkf,mkfd->mkd", hidden, down[expert_ids])
+  return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
 
-def resolve(name: str) -> str:
-  """"auto" -> the dispatch that is fast on the default backend; other names unchanged."""
+DISPATCHES = {"dense": dense, "ragged": ragged, "loop": loop, "gather": gather}
+
+
+def resolve(name: str, assignments: int, num_experts: int) -> str:
+  """"auto" -> the dispatch that is fast for `assignments` (M * k) routed rows on the
+  default backend: gather when they are fewer than the experts, else the grouped
+  matmuls (ragged on GPU/TPU, the loop on the CPU). Other names unchanged."""
   if name != "auto":
     return name
+  if assignments < num_experts:
+    return "gather"
   return "loop" if jax.default_backend() == "cpu" else "ragged"

@@ -103,7 +103,8 @@ class Experts(nn.Module):
     gate = weight("gate", (e, d, f), ("expert", "embed", "mlp"))
     up = weight("up", (e, d, f), ("expert", "embed", "mlp"))
     down = weight("down", (e, f, d), ("expert", "mlp", "embed"))
-    run = expert_dispatch.DISPATCHES[expert_dispatch.resolve(self.dispatch)]
+    run = expert_dispatch.DISPATCHES[expert_dispatch.resolve(
+        self.dispatch, routing.expert_ids.size, e)]
     return run(x.astype(self.dtype), routing.expert_ids, routing.weights, gate, up, down,
                ACTIVATIONS[self.activation])
 
