@@ -1,6 +1,7 @@
 r"""Times a MoE train step on several meshes: experts replicated (data parallel) against
-experts sharded over the `expert` mesh axis, where the compiler's collectives move the
-routed tokens (GSPMD; no hand-written all-to-all).
+experts sharded over the `expert` mesh axis, where each device runs its own experts on
+tokens all-gathered over the axis and reduce-scatters the outputs
+(`gemma_jax.layers.expert_parallel`).
 
     python benchmarks/expert_parallel.py                    # 8 simulated CPU devices
     python benchmarks/expert_parallel.py --out=/tmp/ep.json

@@ -20,6 +20,8 @@ MOE_DISPATCHES = ("auto", "ragged", "loop", "gather", "dense")
 ATTENTION_KERNELS = ("einsum", "jax")
 DTYPES = ("float32", "bfloat16", "float16")
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
+# Rows of a batch split over every mesh axis that does not split the model's width.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 class ConfigError(ValueError):

@@ -26,11 +26,8 @@ import optax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from ml_collections import config_dict
 
-from gemma_jax.config import MESH_AXES, ConfigError
+from gemma_jax.config import BATCH_AXES, MESH_AXES, ConfigError
 from gemma_jax.decoder import Decoder
-
-# Rows of a batch split over every axis that does not split the model's width.
-BATCH_AXES = ("data", "fsdp", "expert")
 
 RULES = (
     ("batch", BATCH_AXES),

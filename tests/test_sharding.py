@@ -6,6 +6,7 @@ import contextlib
 import functools
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -130,6 +131,27 @@ def test_expert_parallel_losses_equal_single_device(single_device_moe, name):
   np.testing.assert_allclose(losses, single_device_moe[0], rtol=1e-5)
   gate = state.params["blocks"]["layer_0"]["moe"]["experts"]["gate"]  # [blocks, E, D, F]
   assert gate.addressable_shards[0].data.shape[:2] == (1, 1)           # E over expert=4
+
+
+def test_expert_parallel_moves_tokens_not_expert_weights():
+  """Under expert=4 x data=2 each device runs its own expert: the compiled forward
+  all-gathers tokens and reduce-scatters outputs, and never gathers the [E, D, F]
+  expert weights onto one device (what the compiler does without `expert_parallel`)."""
+  config = moe_config(MOE_MESHES["expert4_data2"])
+  mesh = sharding.make_mesh(config.mesh)
+  model = gj.transform(config)
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+  tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+  with sharding.activate(mesh):
+    hlo = jax.jit(lambda p, t: model.apply(p, t),
+                  in_shardings=(sharding.param_shardings(config, mesh),
+                                sharding.batch_sharding(mesh))).lower(params, tokens).compile()
+  gathered = re.findall(r"= (\S+) all-gather\(", hlo.as_text())
+  m = config.model
+  whole_experts = {f"f32[{m.num_experts},{m.d_model},{m.expert_mlp_dim}]",
+                   f"f32[{m.num_experts},{m.expert_mlp_dim},{m.d_model}]"}
+  assert gathered and not [s for s in gathered if s.split("{")[0] in whole_experts], gathered
+  assert "reduce-scatter(" in hlo.as_text()
 
 
 def test_fsdp8_device_holds_an_eighth_plus_small_vectors():

@@ -18,7 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from gemma_jax.layers import expert_dispatch
+from gemma_jax.layers import expert_dispatch, expert_parallel
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.mlp import ACTIVATIONS, GatedMlp
 from gemma_jax.layers.norms import RMSNorm
@@ -80,7 +80,9 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-  """E gated MLPs (gate, up: [E, D, F]; down: [E, F, D]) run on the routed tokens.
+  """E gated MLPs (gate, up: [E, D, F]; down: [E, F, D]) run on the routed tokens; under
+  a mesh with an `expert` axis, each of its devices runs its own experts
+  (`expert_parallel`).
 
   Attributes:
     dispatch: a name in `expert_dispatch.DISPATCHES`, or "auto".
@@ -103,10 +105,13 @@ class Experts(nn.Module):
     gate = weight("gate", (e, d, f), ("expert", "embed", "mlp"))
     up = weight("up", (e, d, f), ("expert", "embed", "mlp"))
     down = weight("down", (e, f, d), ("expert", "mlp", "embed"))
-    run = expert_dispatch.DISPATCHES[expert_dispatch.resolve(
-        self.dispatch, routing.expert_ids.size, e)]
-    return run(x.astype(self.dtype), routing.expert_ids, routing.weights, gate, up, down,
-               ACTIVATIONS[self.activation])
+    dispatch = lambda assignments, experts: expert_dispatch.DISPATCHES[
+        expert_dispatch.resolve(self.dispatch, assignments, experts)]
+    args = (x.astype(self.dtype), routing.expert_ids, routing.weights, gate, up, down,
+            ACTIVATIONS[self.activation])
+    if expert_parallel.expert_shards(x.shape[0]) > 1:
+      return expert_parallel.run_sharded(dispatch, *args)
+    return dispatch(routing.expert_ids.size, e)(*args)
 
 
 class MoeBlock(nn.Module):
