@@ -146,14 +146,14 @@ class InputsTest(chex.TestCase):
 def test_long_rows_run_local_layers_in_window_blocks():
   """Local layers take blocked masks (T x 2W work) once T > 2W, and the dense mask for
   shorter rows or image spans; the logits agree with the dense masks given explicitly."""
-  m = tiny().model
+  config = tiny(num_layers=2, attention_pattern=("local", "global"))
+  m = config.model
   segments = jnp.ones((2, 11), jnp.int32)
   assert isinstance(decoder.layer_masks(m, segments, blocked=True)["local"], LocalBlocks)
   assert not isinstance(decoder.layer_masks(m, segments[:, :8], blocked=True)["local"],
                         LocalBlocks)
   assert not isinstance(decoder.layer_masks(m, segments, segments, blocked=True)["local"],
                         LocalBlocks)
-  config = tiny()
   toks = tokens()
   params = gj.transform(config).init(jax.random.key(0), toks)
   module = decoder.Decoder(config.model)
@@ -187,9 +187,11 @@ def test_dropout_mask_is_shared_along_the_length(block_type):
 def test_jax_attention_kernel_matches_einsum(preset):
   """attention_kernel="jax" (jax.nn.dot_product_attention; XLA's on the CPU) gives the
   einsum kernel's logits and gradients, blocked local layers and packed rows included."""
-  overrides = dict(vocab_size=97, num_layers=3) if preset == "gpt3-52k" else {}
-  config = tiny(**overrides) if preset == "gemma3-tiny" else gj.get_config(preset)
-  config.model.update(overrides)
+  if preset == "gpt3-52k":
+    config = gj.get_config(preset)
+    config.model.update(vocab_size=97, num_layers=2)
+  else:
+    config = tiny(num_layers=2, attention_pattern=("local", "global"))
   toks = tokens(t=11)
   segments = jnp.asarray([[1] * 6 + [2] * 5, [1] * 11])
   params = gj.transform(config).init(jax.random.key(0), toks)

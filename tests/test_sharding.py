@@ -4,6 +4,7 @@ two processes under jax.distributed, and memory planning."""
 
 import contextlib
 import functools
+import json
 import math
 import os
 import re
@@ -259,7 +260,8 @@ def test_two_processes_train_like_one(tmp_path, app_run):
   """Two jax.distributed processes of 4 devices each (fsdp=8 across them, each reading
   its half of every batch) log the losses of one process with 8 devices."""
   config_file, single_process_losses = app_run
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ, XLA_FLAGS=os.environ["XLA_FLAGS"].replace(
+      "--xla_force_host_platform_device_count=8", "--xla_force_host_platform_device_count=4"),
              JAX_COORDINATOR_ADDRESS=f"localhost:{free_port()}", JAX_NUM_PROCESSES="2")
   workers = [run_app(config_file, tmp_path, "--config.mesh.data=1", "--config.mesh.fsdp=8",
                      env=dict(env, JAX_PROCESS_ID=str(i))) for i in range(2)]
@@ -285,3 +287,35 @@ def test_plan_params_per_device_on_256_devices(preset):
   assert total / 256 <= plan["params"] <= total / 256 + scales
   assert plan["optimizer_state"] == 2 * plan["params"]
   assert plan["activations"] > 0
+
+
+def param_bytes(preset):
+  """(all parameter bytes in float32, those of unshardable norm scales)."""
+  shapes = jax.eval_shape(gj.transform(gj.get_config(preset)).init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 1), jnp.int32))
+  leaves = jax.tree_util.tree_leaves_with_path(shapes)
+  return (sum(math.prod(s.shape) * 4 for _, s in leaves),
+          sum(math.prod(s.shape) * 4 for path, s in leaves if path[-1].key == "scale"))
+
+
+@pytest.mark.parametrize("preset,mesh,expected_mesh", [
+    ("gemma4-31b", "fsdp", dict(data=1, fsdp=256, tensor=1, expert=1)),
+    ("gemma4-26b-a4b", "expert", dict(data=1, fsdp=64, tensor=1, expert=4)),
+])
+def test_plan_app_per_device_bytes(tmp_path, preset, mesh, expected_mesh):
+  """experiments/plan.py for the largest presets on 256 devices: the mesh preset, and
+  parameters, gradients and Adam's two moments split as the mesh says (every matrix
+  over fsdp, the experts' also over expert; norm scales whole)."""
+  out = tmp_path / "plan.json"
+  subprocess.run([sys.executable, os.path.join(REPO, "experiments", "plan.py"),
+                  "--config=" + os.path.join(REPO, "configs", "gemma3_1b.py"),
+                  f"--preset={preset}", "--devices=256", f"--mesh={mesh}",
+                  "--config.train.batch_size=256", "--config.optimizer.grad_accum_steps=1",
+                  f"--json={out}"], check=True, cwd=REPO, capture_output=True)
+  plan = json.loads(out.read_text())
+  total, scales = param_bytes(preset)
+  assert plan["mesh"] == expected_mesh
+  assert total / 256 <= plan["params"] <= total / expected_mesh["fsdp"] + scales
+  assert plan["gradients"] == plan["params"]
+  assert plan["optimizer_state"] >= 2 * plan["params"]
+  assert 0 < plan["activations"]
