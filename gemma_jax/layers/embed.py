@@ -46,5 +46,8 @@ class Embed(nn.Module):
     return x * jnp.asarray(math.sqrt(self.d_model), self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
-    """x: [B, T, D] -> logits [B, T, V] in the compute dtype."""
-    return jnp.einsum("btd,vd->btv", x, self.embedding.astype(self.dtype))
+    """x: [B, T, D] -> logits [B, T, V] in the compute dtype (one [B*T, D] x [D, V]
+    matmul, whose gradients are plain matmuls too, see `linear.Linear`)."""
+    rows = x.reshape(-1, x.shape[-1])
+    logits = jnp.matmul(rows, self.embedding.astype(self.dtype).T)
+    return logits.reshape(*x.shape[:-1], self.vocab_size)
