@@ -10,6 +10,7 @@ import time
 import chex
 import flax
 import jax
+from jax._src import dispatch  # the compile events' names
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -214,6 +215,44 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(full_run, tmp_path):
     for key in ("loss", "grad_norm", "learning_rate"):
       assert resumed[step][key] == full[step][key], (step, key)   # exact equality
   assert resumed[6]["eval_loss"] == full[6]["eval_loss"]
+
+
+def test_steps_after_the_first_of_each_kind_trace_and_compile_nothing(corpus, tmp_path,
+                                                                     monkeypatch):
+  """No recompilation between steps: the train step is traced once, and once a log, an
+  evaluation and a save have each happened, later steps lower nothing at all (not even
+  an eager op), so every step after that runs compiled code only."""
+  config = tiny_config(corpus)   # eval at steps 3 and 6, saves at 2, 4 and 6
+  traces, lowered, at_step = [], [], [0]
+  make_train_step = steps.make_train_step
+
+  def counting_make_train_step(*args, **kwargs):
+    step_fn = make_train_step(*args, **kwargs)
+
+    def traced(state, batch):
+      traces.append(at_step[0])
+      return step_fn(state, batch)
+    return traced
+
+  check_finite = loop._check_finite   # pylint: disable=protected-access
+
+  def note_step(pending, *args):
+    at_step[0] = pending[-1][0]
+    return check_finite(pending, *args)
+
+  def on_event(event, *_, **__):
+    if event in (dispatch.JAXPR_TRACE_EVENT, dispatch.JAXPR_TO_MLIR_MODULE_EVENT):
+      lowered.append(at_step[0])
+
+  monkeypatch.setattr(steps, "make_train_step", counting_make_train_step)
+  monkeypatch.setattr(loop, "_check_finite", note_step)
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    assert loop.train(config, str(tmp_path))["step"] == 6
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_event)
+  assert traces == [0]
+  assert lowered and max(lowered) <= 3, lowered   # steps 4, 5, 6: nothing lowered
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
