@@ -6,8 +6,9 @@ r"""Times the MoE dispatches (gemma_jax.layers.expert_dispatch) on the default b
 For each expert count: the forward, and the forward + backward (gradients of x and
 every weight), of each dispatch on the same routing, plus "routed": the same matmuls on
 the M * k routed rows with one expert's weights and no routing at all (the work a
-perfect grouped matmul would do). The loop dispatch is also timed with several row
-blocks (`grouped_matmul.BLOCK_ROWS` is the default). Times are medians in ms.
+perfect grouped matmul would do). The loop dispatch is also timed with other row
+blocks: "32" one tier, "256+32" two (`grouped_matmul.BLOCK_ROWS` is the default).
+Times are medians in ms.
 """
 
 import json
@@ -28,8 +29,8 @@ _TOKENS = flags.DEFINE_integer("tokens", 2048, "Tokens M (= batch x length).")
 _TOP_K = flags.DEFINE_integer("top_k", 2, "Experts per token k.")
 _D_MODEL = flags.DEFINE_integer("d_model", 256, "Model width D.")
 _MLP_DIM = flags.DEFINE_integer("expert_mlp_dim", 256, "Expert hidden width F.")
-_BLOCKS = flags.DEFINE_list("loop_blocks", ["16", "32", "64", "128"],
-                            "Row blocks to time the loop dispatch with.")
+_BLOCKS = flags.DEFINE_list("loop_blocks", ["32", "128", "128+32", "256+32", "512+64"],
+                            "Row block tiers to time the loop dispatch with.")
 _DISPATCHES = flags.DEFINE_list("dispatches", ["dense", "ragged", "loop"],
                                 "Dispatches to time.")
 _SECONDS = flags.DEFINE_float("seconds", 1.0, "Least time spent timing each function.")
@@ -87,9 +88,10 @@ def main(argv):
     row = {"experts": num_experts, "routed": routed_baseline(*args)}
     for name in _DISPATCHES.value:
       row[name] = timings(expert_dispatch.DISPATCHES[name], *args)
-    for block in [int(b) for b in _BLOCKS.value]:
-      loop = lambda *a, block=block: expert_dispatch.loop(*a, block=block)
-      row[f"loop_block_{block}"] = timings(loop, *args)
+    for tiers in _BLOCKS.value:
+      blocks = tuple(int(b) for b in tiers.split("+"))
+      loop = lambda *a, blocks=blocks: expert_dispatch.loop(*a, blocks=blocks)
+      row[f"loop_blocks_{tiers}"] = timings(loop, *args)
     results.append(row)
     print(f"E={num_experts}: " + ", ".join(
         f"{k} {v['forward']:.1f}/{v['backward']:.1f}" for k, v in row.items() if k != "experts"),

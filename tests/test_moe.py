@@ -18,8 +18,7 @@ import pytest
 from absl.testing import parameterized
 
 import gemma_jax as gj
-from gemma_jax.layers import expert_dispatch, moe
-from gemma_jax.layers.grouped_matmul import grouped_matmul
+from gemma_jax.layers import expert_dispatch, grouped_matmul, moe
 from gemma_jax.training import metrics, steps
 from test_training import REPO
 
@@ -110,9 +109,10 @@ class DispatchTest(chex.TestCase):
                                   rtol=1e-5, atol=1e-5, custom_message=name)
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_grouped_matmul_and_its_vjp_match_float64(self):
+  @parameterized.parameters((16, 4), (32,), grouped_matmul.BLOCK_ROWS)
+  def test_grouped_matmul_and_its_vjp_match_float64(self, *blocks):
     rng = np.random.RandomState(2)
-    sizes = np.array([5, 0, 70, 1, 33], np.int32)        # an empty group, blocks of 32 and less
+    sizes = np.array([5, 0, 70, 1, 33], np.int32)   # an empty group; whole, partial blocks
     rows = rng.normal(size=(sizes.sum(), 6)).astype(np.float32)
     weights = rng.normal(size=(5, 6, 4)).astype(np.float32)
     grad_out = rng.normal(size=(sizes.sum(), 4)).astype(np.float32)
@@ -122,8 +122,8 @@ class DispatchTest(chex.TestCase):
     expected_rows = np.einsum("af,adf->ad", grad_out, w64)
     expected_weights = np.stack([rows[group == e].T.astype(np.float64) @ grad_out[group == e]
                                  for e in range(5)])
-    out, vjp = self.variant(lambda r, w: jax.vjp(lambda r, w: grouped_matmul(r, w, sizes),
-                                                 r, w))(rows, weights)
+    matmul = lambda r, w: grouped_matmul.grouped_matmul(r, w, sizes, blocks)
+    out, vjp = self.variant(lambda r, w: jax.vjp(matmul, r, w))(rows, weights)
     grad_rows, grad_weights = vjp(grad_out)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grad_rows, expected_rows, rtol=1e-5, atol=1e-5)

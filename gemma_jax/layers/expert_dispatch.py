@@ -14,7 +14,7 @@ dropless: every assignment is computed, however unbalanced the routing.
            and TPU; XLA's CPU backend lowers ragged_dot to a masked product over every
            expert, E times the work.
   loop     sorted the same way, the grouped matmuls as loops over experts and blocks
-           of rows (`grouped_matmul`): the routed work plus at most one partial block
+           of rows (`grouped_matmul`): the routed work plus less than one small block
            per expert. For the CPU.
   gather   each assignment's expert weights gathered and applied to its token: the
            routed work exactly, reading M * k expert matrices. For few tokens (decoding),
@@ -22,7 +22,7 @@ dropless: every assignment is computed, however unbalanced the routing.
 """
 
 import functools
-from typing import Callable
+from typing import Callable, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -73,10 +73,10 @@ def ragged(x, expert_ids, weights, gate, up, down, activation: Callable) -> jax.
 
 
 def loop(x, expert_ids, weights, gate, up, down, activation: Callable,
-         block: int = grouped_matmul.BLOCK_ROWS) -> jax.Array:
+         blocks: Tuple[int, ...] = grouped_matmul.BLOCK_ROWS) -> jax.Array:
   """Grouped matmuls by `grouped_matmul.grouped_matmul`: loops over experts and blocks
-  of `block` rows."""
-  matmul = lambda rows, w, sizes: grouped_matmul.grouped_matmul(rows, w, sizes, block)
+  of rows, in the tiers `blocks` (largest first)."""
+  matmul = lambda rows, w, sizes: grouped_matmul.grouped_matmul(rows, w, sizes, blocks)
   return _sorted(x, expert_ids, weights, gate, up, down, activation, matmul)
 
 
