@@ -242,7 +242,10 @@ def _architecture(m: config_dict.ConfigDict) -> dict:
       "block_type", "vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
       "head_dim", "mlp_dim", "activation", "attn_logit_softcap", "final_logit_softcap",
       "norm_eps", "use_qk_norm", "use_post_attn_norm", "use_post_ffw_norm", "norm_plus_one",
-      "use_value_norm", "num_experts")}
+      "use_value_norm", "num_experts",
+      # Options of every family; Gemma's classes fix them (scaled, tied, no positions).
+      "scale_embeddings", "sinusoidal_position_embedding", "logits_via_embedding",
+      "trainable_position_size")}
   arch["attention_pattern"] = types
   arch["vision"] = ({k: v for k, v in m.vision.items() if k != "double_newline_token_id"}
                     if m.vision.enabled else None)

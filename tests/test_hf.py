@@ -137,6 +137,23 @@ def test_unsupported_config_is_named(tmp_path):
     gj.hf.load(str(tmp_path))
 
 
+@pytest.mark.parametrize("preset,architecture", [("gemma3-tiny", "Gemma3ForCausalLM"),
+                                                  ("gemma4-tiny", "Gemma4ForCausalLM")])
+@pytest.mark.parametrize("field,value,needed", [
+    ("scale_embeddings", False, True), ("sinusoidal_position_embedding", True, False),
+    ("logits_via_embedding", False, True), ("trainable_position_size", 300, 0)])
+def test_save_names_an_embedding_option_gemma_cannot_represent(
+    tmp_path, preset, architecture, field, value, needed):
+  """Checked from the config alone, before any parameter is read or anything written."""
+  config = gj.get_config(preset)
+  config.model[field] = value
+  message = (f"config.model.{field}: transformers' {architecture} cannot represent "
+             rf"{value!r} \(it would read {needed!r}\)")
+  with pytest.raises(gj.hf.CheckpointError, match=message):
+    gj.hf.save(str(tmp_path / "out"), config, params={})
+  assert not os.listdir(tmp_path)
+
+
 def test_safetensors_io_agrees_with_the_safetensors_package(tmp_path):
   tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.int64),
              "c": torch.randn(2, 2, 2)}
