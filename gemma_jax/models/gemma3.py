@@ -8,7 +8,6 @@ overrides (GPT-3's LayerNorm, biased attention and plain MLP; Gemma 4's experts)
 
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from ml_collections import config_dict
 
@@ -71,7 +70,6 @@ class Gemma3Layer(nn.Module):
     """x: [B, T, D], positions: [B, T], masks: {"local"|"global": [B, T, T]} -> [B, T, D]."""
     c = self.config
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
-    x = checkpoint_name(x, "decoder_layer_input")
 
     y = self.attention()(self.norm("pre_attn_norm")(x), positions, masks[self.attention_type])
     if c.use_post_attn_norm:

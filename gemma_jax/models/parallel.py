@@ -9,7 +9,6 @@ attention type, query/key norms, soft caps); the post-norm fields are not used.
 
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from gemma_jax.layers import activation_stats
@@ -24,7 +23,7 @@ class ParallelLayer(Gemma3Layer):
   def __call__(self, x: jax.Array, positions: jax.Array, masks: dict) -> jax.Array:
     """x: [B, T, D], positions: [B, T], masks: {"local"|"global": [B, T, T]} -> [B, T, D]."""
     c = self.config
-    x = checkpoint_name(nn.with_logical_constraint(x, ACTIVATION_AXES), "decoder_layer_input")
+    x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     y = self.norm("pre_norm")(x)
     attended = self.attention()(y, positions, masks[self.attention_type])
     mlp = GatedMlp(c.mlp_dim, c.activation, dtype=jnp.dtype(c.dtype),
