@@ -13,11 +13,13 @@ numpy arrays in the config's `param_dtype`. GPT-2 checkpoints (`GPT2LMHeadModel`
 `gemma_jax.hf_gpt2`.
 """
 
+import ctypes
 import functools
 import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
@@ -484,11 +486,65 @@ def load(path: str, *, param_dtype: str = "float32",
   return config, stack_layers(flax.traverse_util.unflatten_dict(params), config.model)
 
 
+def _fsync(path: str) -> None:
+  """Flushes a file's or a directory's entries to disk."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _exchange(a: str, b: str) -> bool:
+  """Swaps two existing paths in one atomic step: Linux's renameat2(RENAME_EXCHANGE).
+
+  False where it did not happen (not Linux, a libc without renameat2, a kernel or file
+  system without the flag, or any other failure); the call then moved nothing.
+  """
+  if not sys.platform.startswith("linux"):
+    return False
+  try:
+    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+  except (AttributeError, OSError):
+    return False
+  renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                        ctypes.c_uint)
+  at_fdcwd, rename_exchange = -100, 2   # from <fcntl.h> and <linux/fs.h>
+  return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _move_into_place(staging: str, path: str) -> None:
+  """Renames the complete, synced directory `staging` to `path`, replacing what is there.
+
+  An existing `path` is swapped with `staging` in one atomic step where `_exchange` can,
+  then the old copy (now at `staging`) is removed. Elsewhere two renames replace it,
+  path -> `staging`-old and staging -> path, the first undone if the second fails; a
+  crash between them leaves the old checkpoint only at `staging`-old.
+  """
+  if not os.path.exists(path):
+    os.rename(staging, path)
+    old = None
+  elif _exchange(staging, path):
+    old = staging
+  else:
+    old = f"{staging}-old"
+    os.rename(path, old)
+    try:
+      os.rename(staging, path)
+    except BaseException:
+      os.rename(old, path)
+      raise
+  _fsync(os.path.dirname(os.path.abspath(path)))   # the renames themselves
+  if old:
+    shutil.rmtree(old)
+
+
 def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
   """Writes config.json and model.safetensors that transformers' from_pretrained reads.
 
-  The directory is written next to `path` and renamed into place when complete, so
-  an existing checkpoint at `path` is only replaced by a whole one.
+  The directory is written and synced to disk next to `path`, then moved into place
+  (`_move_into_place`), so an existing checkpoint at `path` is only replaced by a whole
+  one.
   """
   if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
     raise CheckpointError(f"config.model.block_type: transformers has no layout for "
@@ -508,14 +564,11 @@ def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
   try:
     with open(os.path.join(staging, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2)
-    safetensors_io.write(os.path.join(staging, "model.safetensors"), tensors)
-    if os.path.exists(path):
-      old = f"{staging}-old"
-      os.rename(path, old)
-      os.rename(staging, path)
-      shutil.rmtree(old)
-    else:
-      os.rename(staging, path)
+      f.flush()
+      os.fsync(f.fileno())
+    safetensors_io.write(os.path.join(staging, "model.safetensors"), tensors)  # synced
+    _fsync(staging)
+    _move_into_place(staging, path)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise

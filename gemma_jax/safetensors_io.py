@@ -53,7 +53,7 @@ def _layout(tensors: Mapping[str, np.ndarray]) -> Iterator[Tuple[str, np.ndarray
 
 
 def write(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] = None):
-  """Writes tensors to `path` (a temporary file first, renamed when complete)."""
+  """Writes tensors to `path` (a temporary file first, synced and renamed when complete)."""
   layout = list(_layout(tensors))
   header = {name: entry for name, _, entry in layout}
   header["__metadata__"] = dict(metadata or {"format": "pt"})
@@ -65,4 +65,6 @@ def write(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, s
     f.write(encoded)
     for _, array, _ in layout:
       f.write(array.tobytes())
+    f.flush()
+    os.fsync(f.fileno())   # on disk before the rename can make it visible
   os.replace(tmp, path)

@@ -3,7 +3,9 @@
 import functools
 import json
 import os
+import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -152,6 +154,111 @@ def test_save_names_an_embedding_option_gemma_cannot_represent(
   with pytest.raises(gj.hf.CheckpointError, match=message):
     gj.hf.save(str(tmp_path / "out"), config, params={})
   assert not os.listdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory):
+  """(config, params) loaded from a tiny transformers Gemma 3 checkpoint."""
+  path = str(tmp_path_factory.mktemp("two_layers"))
+  random_model(0, num_hidden_layers=2, num_key_value_heads=2).save_pretrained(path)
+  return gj.hf.load(path)
+
+
+def _saved_embedding(path):
+  return gj.hf.load(path)[1]["embed"]["embedding"]
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_save_replaces_an_existing_checkpoint(tmp_path, monkeypatch, two_layers, exchange):
+  """With renameat2, one atomic swap (no rename that leaves `out` missing); without, two
+  renames. Either way the new checkpoint is in place and nothing else is left."""
+  if exchange and not sys.platform.startswith("linux"):
+    pytest.skip("renameat2 is Linux's")
+  config, params = two_layers
+  out = str(tmp_path / "out")
+  gj.hf.save(out, config, params)
+  swaps, renames = [], []
+  real_exchange, real_rename = gj.hf._exchange, os.rename
+
+  def maybe_exchange(a, b):
+    swaps.append(exchange and real_exchange(a, b))
+    return swaps[-1]
+
+  def rename(src, dst):
+    renames.append(dst)
+    real_rename(src, dst)
+
+  monkeypatch.setattr(gj.hf, "_exchange", maybe_exchange)
+  monkeypatch.setattr(os, "rename", rename)
+  gj.hf.save(out, config, jax.tree.map(lambda x: 2 * x, params))
+  assert swaps == [exchange]
+  assert len(renames) == (0 if exchange else 2)
+  np.testing.assert_array_equal(_saved_embedding(out), 2 * params["embed"]["embedding"])
+  assert os.listdir(tmp_path) == ["out"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
+def test_save_syncs_the_new_checkpoint_before_the_swap(tmp_path, monkeypatch, two_layers):
+  """Both files and the staging directory reach the disk before they replace `out`."""
+  config, params = two_layers
+  out = str(tmp_path / "out")
+  gj.hf.save(out, config, params)
+  synced, at_swap = [], []
+  real_fsync, real_exchange = os.fsync, gj.hf._exchange
+
+  def fsync(fd):
+    synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+    real_fsync(fd)
+
+  def exchange(a, b):
+    at_swap.append((a, set(synced)))
+    return real_exchange(a, b)
+
+  monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(gj.hf, "_exchange", exchange)
+  gj.hf.save(out, config, params)
+  (staging, done), = at_swap
+  names = ("config.json", "model.safetensors.tmp")   # the tensors are synced, then renamed
+  assert {staging} | {os.path.join(staging, name) for name in names} <= done
+
+
+def test_save_failing_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                 two_layers):
+  config, params = two_layers
+  out = str(tmp_path / "out")
+  gj.hf.save(out, config, params)
+
+  def write_part(path, tensors, metadata=None):
+    with open(path, "wb") as f:
+      f.write(b"\0" * 8)
+    raise OSError("No space left on device")
+
+  monkeypatch.setattr(safetensors_io, "write", write_part)
+  with pytest.raises(OSError, match="No space left"):
+    gj.hf.save(out, config, jax.tree.map(lambda x: 2 * x, params))
+  np.testing.assert_array_equal(_saved_embedding(out), params["embed"]["embedding"])
+  assert os.listdir(tmp_path) == ["out"]
+
+
+def test_save_without_renameat2_restores_the_previous_checkpoint(tmp_path, monkeypatch,
+                                                                 two_layers):
+  """The fallback's second rename (staging -> out) fails: the first one is undone."""
+  config, params = two_layers
+  out = str(tmp_path / "out")
+  gj.hf.save(out, config, params)
+  real_rename = os.rename
+
+  def rename(src, dst):
+    if dst == out and not src.endswith("-old"):
+      raise OSError("rename failed")
+    real_rename(src, dst)
+
+  monkeypatch.setattr(gj.hf, "_exchange", lambda a, b: False)
+  monkeypatch.setattr(os, "rename", rename)
+  with pytest.raises(OSError, match="rename failed"):
+    gj.hf.save(out, config, jax.tree.map(lambda x: 2 * x, params))
+  np.testing.assert_array_equal(_saved_embedding(out), params["embed"]["embedding"])
+  assert os.listdir(tmp_path) == ["out"]
 
 
 def test_safetensors_io_agrees_with_the_safetensors_package(tmp_path):
