@@ -135,7 +135,7 @@ class Decoder(nn.Module):
     x = embed.encode(tokens)
     if c.vision.enabled:
       tower = vision.VisionTower(c.vision, c.d_model, dtype, param_dtype, c.scan_layers,
-                                 c.remat_policy, name="vision")
+                                 c.remat_policy, c.attention_kernel, name="vision")
       if images is not None:
         x = vision.merge_soft_tokens(x, tokens, tower(images), c.vision.image_token_id)
       elif self.is_initializing():   # creates the tower's parameters; the output is unused

@@ -24,6 +24,7 @@ from gemma_jax import hf_vision
 from gemma_jax import image_inputs
 from gemma_jax import remat
 from gemma_jax.config import ConfigError, vision_config
+from gemma_jax.layers.attention import Attention
 from gemma_jax.models import vision
 
 TEXT_WIDTH = 48
@@ -96,6 +97,12 @@ class VisionTowerTest(chex.TestCase):
     np.testing.assert_allclose(features, ref_features, rtol=0, atol=1e-5)
     np.testing.assert_allclose(tokens, ref_tokens, rtol=0, atol=1e-5)
 
+  def test_jax_attention_kernel_matches_transformers(self):
+    _, pixels, _, ref_tokens = reference()
+    tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, attention_kernel="jax")
+    tokens = jax.jit(tower.apply)(our_params(), nhwc(pixels))
+    np.testing.assert_allclose(tokens, ref_tokens, rtol=0, atol=1e-5)
+
   def test_scanned_equals_unrolled_and_keeps_leading_dims(self):
     _, pixels, _, ref_tokens = reference()
     outs = {}
@@ -125,6 +132,24 @@ class VisionTowerTest(chex.TestCase):
         self.assertEqual(spec[0], "layers", path)
     self.assertEqual(tuple(specs[("encoder", "layers", "attn", "q", "kernel")]),
                      ("layers", "embed", "heads", "head_dim"))
+
+
+def test_model_attention_kernel_reaches_every_attention():
+  """config.model.attention_kernel is the kernel of the text layers and of the tower."""
+  config = gj.get_config("gemma3-tiny-vision")
+  config.model.attention_kernel = "jax"
+  kernels = {}
+
+  def record(call, args, kwargs, context):
+    if isinstance(context.module, Attention) and context.method_name == "__call__":
+      kernels[context.module.path] = context.module.kernel
+    return call(*args, **kwargs)
+
+  with nn.intercept_methods(record):
+    gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  assert any(path[0] == "vision" for path in kernels), kernels
+  assert any(path[0] != "vision" for path in kernels), kernels
+  assert set(kernels.values()) == {"jax"}, kernels
 
 
 def torch_grads(cotangent):

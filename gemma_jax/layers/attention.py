@@ -102,10 +102,11 @@ def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                          logit_softcap: Optional[float] = None,
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          mask: Optional[jax.Array], logit_softcap: Optional[float] = None,
                           kernel: str = "einsum") -> jax.Array:
-  """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] -> [B, T, N, H].
+  """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] or None (every
+  query sees every key) -> [B, T, N, H].
 
   kernel "einsum": logits and softmax in float32, probabilities cast back to the compute
   dtype. "jax": `jax.nn.dot_product_attention`, cuDNN's fused kernel on a GPU in
@@ -114,14 +115,15 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
   if kernel == "jax":
     chex.assert_equal(logit_softcap, None)
     fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=1.0,
-                                        implementation="cudnn" if fused else None)
+    return jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else mask[:, None],
+                                        scale=1.0, implementation="cudnn" if fused else None)
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   q = q.reshape(b, t, kv_heads, n // kv_heads, h)
   logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
   logits = softcap(logits, logit_softcap)
-  logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
+  if mask is not None:
+    logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
   return out.reshape(b, t, n, h)
@@ -181,14 +183,15 @@ class Attention(nn.Module):
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array,
-               mask: Union[jax.Array, Prefill, Decode]) -> jax.Array:
-    """x: [B, T, D], positions: [B, T], mask: [B, T, S=T], `LocalBlocks` or a cache
-    access -> [B, T, D]."""
+  def __call__(self, x: jax.Array, positions: Optional[jax.Array],
+               mask: Union[None, jax.Array, LocalBlocks, Prefill, Decode]) -> jax.Array:
+    """x: [B, T, D], positions: [B, T] (may be None without RoPE), mask: [B, T, S=T],
+    `LocalBlocks`, a cache access, or None (every token sees every token) -> [B, T, D]."""
     b, t, d = x.shape
     n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
-    chex.assert_shape(positions, (b, t))
-    if not isinstance(mask, (Decode, LocalBlocks)):
+    if self.use_rope or positions is not None:
+      chex.assert_shape(positions, (b, t))
+    if mask is not None and not isinstance(mask, (Decode, LocalBlocks)):
       chex.assert_shape(mask.mask if isinstance(mask, Prefill) else mask, (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,

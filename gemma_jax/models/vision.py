@@ -33,15 +33,14 @@ from typing import Any, Tuple
 import chex
 import flax.linen as nn
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import remat
-from gemma_jax.layers.attention import dot_product_attention
+from gemma_jax.layers.attention import Attention
 from gemma_jax.layers.linear import Linear
-from gemma_jax.layers.mlp import ACTIVATIONS
+from gemma_jax.layers.mlp import Mlp
 from gemma_jax.layers.norms import RMSNorm
 
 # ----------------------------------------------------------------------------- modules
@@ -57,63 +56,29 @@ def _layer_norm(eps: float, name: str) -> nn.LayerNorm:
                       name=name)
 
 
-class VisionAttention(nn.Module):
-  """Bidirectional multi-head self-attention with biased projections: [N, P, W] -> [N, P, W]."""
-  num_heads: int
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    n, p, w = x.shape
-    heads, head_dim = self.num_heads, w // self.num_heads
-    dense = lambda shape, axes, name, in_dims=1: Linear(
-        shape, axes, in_dims=in_dims, use_bias=True, dtype=self.dtype,
-        param_dtype=self.param_dtype, name=name)
-    qkv_axes = ("embed", "heads", "head_dim")
-    q = checkpoint_name(dense((heads, head_dim), qkv_axes, "q")(x), "query_proj")
-    k = checkpoint_name(dense((heads, head_dim), qkv_axes, "k")(x), "key_proj")
-    v = checkpoint_name(dense((heads, head_dim), qkv_axes, "v")(x), "value_proj")
-    q = q * jnp.asarray(head_dim ** -0.5, self.dtype)
-    every_patch = jnp.ones((1, 1, 1), bool)  # broadcasts to [N, P, P]: all patches see all
-    out = dot_product_attention(q, k, v, every_patch)                       # [N, P, A, Hv]
-    out = dense((w,), ("heads", "head_dim", "embed"), "out", in_dims=2)(out)
-    return checkpoint_name(out, "out_proj")
-
-
-class VisionMlp(nn.Module):
-  """down(act(up(x))) with biases: [N, P, W] -> [N, P, W] through width F."""
-  mlp_dim: int
-  activation: str = "gelu_tanh"
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    dense = lambda shape, axes, name: Linear(shape, axes, use_bias=True, dtype=self.dtype,
-                                             param_dtype=self.param_dtype, name=name)
-    hidden = checkpoint_name(dense((self.mlp_dim,), ("embed", "mlp"), "up")(x), "mlpwi_0")
-    hidden = ACTIVATIONS[self.activation](hidden)
-    out = dense((x.shape[-1],), ("mlp", "embed"), "down")(hidden)
-    return checkpoint_name(out, "mlpwo")
-
-
 class VisionLayer(nn.Module):
-  """x + attn(ln(x)), then x + mlp(ln(x)); returns (x, None) to serve as a scan body."""
+  """x + attn(ln(x)), then x + mlp(ln(x)); returns (x, None) to serve as a scan body.
+  The attention is the text model's, with biases, no RoPE or norms, and every patch
+  seeing every patch; the MLP is the plain one with biases."""
   config: config_dict.ConfigDict
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
+  attention_kernel: str = "einsum"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> Tuple[jax.Array, None]:
     """x: [N, P, W] -> ([N, P, W], None)."""
     c = self.config
+    head_dim = c.width // c.num_heads
     norm = lambda name: lambda y: _layer_norm(c.layer_norm_eps, name)(y).astype(self.dtype)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    x = x + VisionAttention(c.num_heads, self.dtype, self.param_dtype, name="attn")(
-        norm("pre_attn_norm")(x))
-    x = x + VisionMlp(c.mlp_dim, c.activation, self.dtype, self.param_dtype, name="mlp")(
-        norm("pre_mlp_norm")(x))
+    attn = Attention(c.num_heads, c.num_heads, head_dim, query_scale=head_dim ** -0.5,
+                     use_rope=False, use_qk_norm=False, use_bias=True,
+                     kernel=self.attention_kernel, dtype=self.dtype,
+                     param_dtype=self.param_dtype, name="attn")
+    x = x + attn(norm("pre_attn_norm")(x), None, None)
+    x = x + Mlp(c.mlp_dim, c.activation, use_bias=True, dtype=self.dtype,
+                param_dtype=self.param_dtype, name="mlp")(norm("pre_mlp_norm")(x))
     return x, None
 
 
@@ -124,6 +89,7 @@ class VisionEncoder(nn.Module):
   param_dtype: Any = jnp.float32
   scan_layers: bool = True
   remat_policy: str = "none"
+  attention_kernel: str = "einsum"
 
   @nn.compact
   def __call__(self, pixels: jax.Array) -> jax.Array:
@@ -151,10 +117,12 @@ class VisionEncoder(nn.Module):
     if self.scan_layers:
       x, _ = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
                      length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})(
-                         c, self.dtype, self.param_dtype, name="layers")(x)
+                         c, self.dtype, self.param_dtype, self.attention_kernel,
+                         name="layers")(x)
     else:
       for i in range(c.num_layers):
-        x, _ = layer_cls(c, self.dtype, self.param_dtype, name=f"layers_{i}")(x)
+        x, _ = layer_cls(c, self.dtype, self.param_dtype, self.attention_kernel,
+                         name=f"layers_{i}")(x)
     x = _layer_norm(c.layer_norm_eps, "final_norm")(x).astype(self.dtype)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -195,6 +163,7 @@ class VisionTower(nn.Module):
     dtype, param_dtype: compute and storage dtypes (norms and pooling in float32).
     scan_layers: nn.scan over the encoder layers (parameters on a "layers" axis).
     remat_policy: encoder layer remat, a name from gemma_jax.remat.POLICIES.
+    attention_kernel: "einsum" or "jax", see `attention.dot_product_attention`.
   """
   config: config_dict.ConfigDict
   out_width: int
@@ -202,10 +171,11 @@ class VisionTower(nn.Module):
   param_dtype: Any = jnp.float32
   scan_layers: bool = True
   remat_policy: str = "none"
+  attention_kernel: str = "einsum"
 
   def setup(self):
     self.encoder = VisionEncoder(self.config, self.dtype, self.param_dtype, self.scan_layers,
-                                 self.remat_policy)
+                                 self.remat_policy, self.attention_kernel)
     self.projector = VisionProjector(self.config, self.out_width, self.dtype, self.param_dtype)
 
   def _flat(self, pixels: jax.Array) -> jax.Array:
