@@ -7,6 +7,7 @@ path cannot represent bfloat16, the dtype Gemma checkpoints are published in.)
 """
 
 import json
+import math
 import os
 import struct
 from typing import Dict, Iterator, Mapping, Tuple
@@ -23,20 +24,52 @@ DTYPES = {
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
+def _entry(path: str, name: str, entry, data_size: int) -> Tuple[np.dtype, list, int, int]:
+  """One tensor's header entry -> (dtype, shape, start, end), checked against the data."""
+  try:
+    kind, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+    valid = all(isinstance(v, int) and v >= 0 for v in [*shape, start, end]) and start <= end
+  except (KeyError, TypeError, ValueError):
+    valid = False
+  if not valid:
+    raise ValueError(f"{path}: tensor {name}: malformed header entry {entry!r}")
+  if kind not in DTYPES:
+    raise ValueError(f"{path}: tensor {name} has unsupported dtype {kind}")
+  if end > data_size:
+    raise ValueError(f"{path}: tensor {name}: data_offsets [{start}, {end}] run past the "
+                     f"{data_size} data bytes; the file is truncated")
+  nbytes = math.prod(shape) * DTYPES[kind].itemsize
+  if end - start != nbytes:
+    raise ValueError(f"{path}: tensor {name}: data_offsets [{start}, {end}] hold "
+                     f"{end - start} bytes, {kind} {shape} needs {nbytes}")
+  return DTYPES[kind], shape, start, end
+
+
 def read(path: str) -> Dict[str, np.ndarray]:
-  """All tensors of one .safetensors file, as read-only memory-mapped arrays."""
+  """All tensors of one .safetensors file, as read-only memory-mapped arrays.
+
+  Raises ValueError naming the file (and the tensor) where the header or a tensor's
+  bytes do not fit in it: a truncated file, or not a safetensors file.
+  """
+  size = os.path.getsize(path)
   with open(path, "rb") as f:
-    (header_len,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(header_len))
+    header_len = int.from_bytes(f.read(8), "little")   # (a file under 8 bytes fails too)
+    if header_len > size - 8:
+      raise ValueError(f"{path}: not a safetensors file, or truncated: its header length "
+                       f"{header_len} exceeds its {size} bytes")
+    try:
+      header = json.loads(f.read(header_len))
+    except ValueError:   # invalid JSON or UTF-8
+      header = None
+  if not isinstance(header, dict):
+    raise ValueError(f"{path}: not a safetensors file: its header is not a JSON object")
   data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
   tensors = {}
   for name, entry in header.items():
     if name == "__metadata__":
       continue
-    if entry["dtype"] not in DTYPES:
-      raise ValueError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
-    start, end = entry["data_offsets"]
-    tensors[name] = data[start:end].view(DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    dtype, shape, start, end = _entry(path, name, entry, size - 8 - header_len)
+    tensors[name] = data[start:end].view(dtype).reshape(shape)
   return tensors
 
 
