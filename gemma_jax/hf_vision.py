@@ -12,14 +12,10 @@ convolution [W, C, p, p]; the projection is a bare [W, D] matrix, copied as is.
 
 import math
 import re
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Mapping, NamedTuple, Optional, Tuple, Union
 
-import flax
-import jax
 import numpy as np
 from ml_collections import config_dict
-
-from gemma_jax.models import vision
 
 
 class _Tensor(NamedTuple):
@@ -155,45 +151,3 @@ def to_hf(value: np.ndarray, path: Tuple[str, ...]) -> Tuple[str, np.ndarray]:
   if name.startswith(_TOWER):
     name = _TOWER + "vision_model." + name[len(_TOWER):]
   return name, np.ascontiguousarray(value)
-
-
-def param_shapes(config: config_dict.ConfigDict, out_width: int) -> Dict[Tuple[str, ...],
-                                                                         Tuple[int, ...]]:
-  """Our unrolled path below the tower -> shape (an abstract init; nothing is computed)."""
-  pixels = jax.ShapeDtypeStruct((1, config.image_size, config.image_size, config.num_channels),
-                                np.float32)
-  tower = vision.VisionTower(config, out_width, scan_layers=False)
-  shapes = jax.eval_shape(tower.init, jax.random.key(0), pixels)["params"]
-  return {path: leaf.shape for path, leaf in
-          flax.traverse_util.flatten_dict(flax.linen.meta.unbox(shapes)).items()}
-
-
-def params_from_state_dict(state_dict: Mapping[str, Any], config: config_dict.ConfigDict,
-                           out_width: int, scan_layers: bool = True) -> dict:
-  """transformers tensors (torch or numpy, any layout; other keys ignored) -> our float32
-  tower parameters, scanned when `scan_layers`.
-
-  Raises:
-    KeyError naming a missing tensor; ValueError naming one of the wrong shape.
-  """
-  stored = {canonical_name(k): k for k in state_dict}
-  flat = {}
-  for path, shape in param_shapes(config, out_width).items():
-    name = tensor_name(path)
-    if name not in stored:
-      raise KeyError(f"vision tensor {name!r} is missing")
-    value = state_dict[stored[name]]
-    if hasattr(value, "detach"):  # torch.Tensor
-      value = value.detach().float().cpu().numpy()
-    value = from_hf(np.asarray(value, np.float32), path, shape)
-    if isinstance(value, str):
-      raise ValueError(f"{stored[name]}: {value}")
-    flat[path] = value
-  params = flax.traverse_util.unflatten_dict(flat)
-  return vision.stack_layers(params, config.num_layers) if scan_layers else params
-
-
-def params_to_state_dict(params: Mapping[str, Any]) -> Dict[str, np.ndarray]:
-  """Our tower parameters (scanned or unrolled) -> {published name: numpy array}."""
-  flat = flax.traverse_util.flatten_dict(vision.unstack_layers(dict(params)))
-  return dict(to_hf(np.asarray(value), path) for path, value in flat.items())

@@ -3,6 +3,8 @@ soft tokens, scan vs unrolled, remat, gradients, the weight mapping, preprocessi
 placeholder spans and the merge helpers."""
 
 import functools
+import os
+import tempfile
 
 import chex
 import flax
@@ -20,9 +22,11 @@ from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImagePr
 from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
 import gemma_jax as gj
+from gemma_jax import decoder
 from gemma_jax import hf_vision
 from gemma_jax import image_inputs
 from gemma_jax import remat
+from gemma_jax import safetensors_io
 from gemma_jax.config import ConfigError, vision_config
 from gemma_jax.layers.attention import Attention
 from gemma_jax.models import vision
@@ -70,15 +74,31 @@ def nhwc(pixels):
   return jnp.asarray(pixels.numpy().transpose(0, 2, 3, 1))
 
 
+@functools.lru_cache(maxsize=None)
+def loaded(scan=True):
+  """The reference model through save_pretrained and hf.load: (config, tower parameters)."""
+  with tempfile.TemporaryDirectory() as path:
+    reference()[0].save_pretrained(path)
+    config, params = gj.hf.load(path, scan_layers=scan)
+    return config, jax.tree.map(np.array, params["vision"])   # copied out of the mapped file
+
+
 def our_params(scan=True):
-  return {"params": hf_vision.params_from_state_dict(reference()[0].state_dict(), tiny_config(),
-                                                     TEXT_WIDTH, scan)}
+  return {"params": loaded(scan)[1]}
 
 
 def by_canonical_name(state):
   """{any transformers layout name: tensor} -> {canonical name: numpy array} (vision only)."""
   return {hf_vision.canonical_name(k): np.asarray(v) for k, v in state.items()
           if hf_vision.canonical_name(k)}
+
+
+def ours_by_canonical_name(params):
+  """Our scanned tower parameters (or their gradients) -> {canonical name: numpy array},
+  as hf.save writes them."""
+  unrolled = decoder.unstack_layers({"vision": params}, loaded()[0].model)["vision"]
+  return by_canonical_name(dict(hf_vision.to_hf(np.asarray(value), path) for path, value in
+                                flax.traverse_util.flatten_dict(unrolled).items()))
 
 
 class VisionTowerTest(chex.TestCase):
@@ -88,10 +108,11 @@ class VisionTowerTest(chex.TestCase):
   def test_matches_transformers(self, scan):
     _, pixels, ref_features, ref_tokens = reference()
     tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, scan_layers=scan)
+    encoder = vision.VisionEncoder(tiny_config(), scan_layers=scan)
     params = our_params(scan)
     tokens = self.variant(tower.apply)(params, nhwc(pixels))
-    features = self.variant(functools.partial(tower.apply, method=tower.encode))(
-        params, nhwc(pixels))
+    features = self.variant(encoder.apply)({"params": params["params"]["encoder"]},
+                                           nhwc(pixels))
     chex.assert_shape(tokens, (3, 4, TEXT_WIDTH))
     chex.assert_shape(features, (3, 16, VISION["width"]))
     np.testing.assert_allclose(features, ref_features, rtol=0, atol=1e-5)
@@ -183,7 +204,7 @@ def test_gradients_match_torch_autograd():
   torch_pixel_grads, torch_param_grads = torch_grads(cotangent)
   np.testing.assert_allclose(pixel_grads, torch_pixel_grads.transpose(0, 2, 3, 1), rtol=0,
                              atol=1e-5)
-  ours = by_canonical_name(hf_vision.params_to_state_dict(grads["params"]))
+  ours = ours_by_canonical_name(grads["params"])
   theirs = by_canonical_name(torch_param_grads)
   assert set(ours) == set(theirs)
   for name, value in ours.items():
@@ -203,35 +224,60 @@ def test_remat_policy_keeps_output_and_grads(policy):
 # ----------------------------------------------------------------------------- mapping
 
 
-def test_mapping_round_trips_every_layout():
+def layouts():
+  """The reference model's tensors as transformers 5 holds them in memory, as it saves them,
+  and as transformers 4 and the published checkpoints store them."""
   state = {k: v.numpy() for k, v in reference()[0].state_dict().items()}
-  expected = by_canonical_name(state)
-  # transformers 4's saved layout: SigLIP keeps its own "vision_model." below the tower.
-  v4 = {k.replace("model.vision_tower.", "vision_tower.vision_model.")
-         .replace("model.multi_modal_projector.", "multi_modal_projector."): v
-        for k, v in state.items()}
-  for layout in (state, v4):
-    for scan in (True, False):
-      params = hf_vision.params_from_state_dict(layout, tiny_config(), TEXT_WIDTH, scan)
-      saved = hf_vision.params_to_state_dict(params)
-      # Written in the published layout, whatever was read.
-      assert set(saved) == {k for k in v4 if k.startswith(("vision_tower.vision_model.",
-                                                             "multi_modal_projector."))}
-      got = by_canonical_name(saved)
-      assert set(got) == set(expected)
-      for name, value in got.items():
-        np.testing.assert_array_equal(value, expected[name], err_msg=name)
+  renames = {"saved": {"model.vision_tower.": "vision_tower.",
+                       "model.multi_modal_projector.": "multi_modal_projector.",
+                       "model.language_model.": "language_model.model."},
+             "transformers4": {"model.vision_tower.": "vision_tower.vision_model.",
+                               "model.multi_modal_projector.": "multi_modal_projector.",
+                               "model.language_model.": "language_model.model."}}
+  rename = lambda name, prefixes: next(
+      (new + name[len(old):] for old, new in prefixes.items() if name.startswith(old)), name)
+  return dict({layout: {rename(k, prefixes): v for k, v in state.items()}
+               for layout, prefixes in renames.items()}, in_memory=state)
 
 
-def test_mapping_names_missing_and_misshapen_tensors():
-  state = dict(reference()[0].state_dict())
+def write_checkpoint(path, tensors):
+  """The reference model's config.json and `tensors` as model.safetensors in `path`."""
+  os.makedirs(path, exist_ok=True)
+  reference()[0].config.to_json_file(os.path.join(path, "config.json"))
+  safetensors_io.write(os.path.join(path, "model.safetensors"),
+                       {k: np.ascontiguousarray(v) for k, v in tensors.items()})
+
+
+@pytest.mark.parametrize("layout", ["in_memory", "saved", "transformers4"])
+def test_load_and_save_map_every_layout(layout, tmp_path):
+  tensors = layouts()[layout]
+  expected = by_canonical_name(tensors)
+  published = {k for k in layouts()["transformers4"] if k.startswith(
+      ("vision_tower.vision_model.", "multi_modal_projector."))}
+  write_checkpoint(tmp_path / "in", tensors)
+  for scan in (True, False):
+    config, params = gj.hf.load(str(tmp_path / "in"), scan_layers=scan)
+    gj.hf.save(str(tmp_path / "out"), config, params)
+    saved = safetensors_io.read(str(tmp_path / "out" / "model.safetensors"))
+    # Written in the published layout, whatever was read.
+    assert {k for k in saved if hf_vision.canonical_name(k)} == published
+    got = by_canonical_name(saved)
+    assert set(got) == set(expected)
+    for name, value in got.items():
+      np.testing.assert_array_equal(value, expected[name], err_msg=name)
+
+
+def test_load_names_missing_and_misshapen_vision_tensors(tmp_path):
+  state = layouts()["in_memory"]
   name = "model.vision_tower.encoder.layers.1.mlp.fc2.weight"
-  missing = {k: v for k, v in state.items() if k != name}
-  with pytest.raises(KeyError, match="encoder.layers.1.mlp.fc2.weight"):
-    hf_vision.params_from_state_dict(missing, tiny_config(), TEXT_WIDTH)
-  misshapen = dict(state, **{name: state[name][:, :-1]})
-  with pytest.raises(ValueError, match="mlp.fc2.weight"):
-    hf_vision.params_from_state_dict(misshapen, tiny_config(), TEXT_WIDTH)
+  write_checkpoint(tmp_path / "missing", {k: v for k, v in state.items() if k != name})
+  with pytest.raises(gj.hf.CheckpointError,
+                     match=r"missing tensors: \['vision_tower.encoder.layers.1.mlp.fc2.weight'\]"):
+    gj.hf.load(str(tmp_path / "missing"))
+  write_checkpoint(tmp_path / "misshapen", dict(state, **{name: state[name][:, :-1]}))
+  with pytest.raises(gj.hf.CheckpointError,
+                     match=r"shape mismatches: \['vision_tower.encoder.layers.1.mlp.fc2.weight: "):
+    gj.hf.load(str(tmp_path / "misshapen"))
 
 
 def test_default_config_counts_as_transformers_gemma3_4b():
@@ -247,8 +293,10 @@ def test_default_config_counts_as_transformers_gemma3_4b():
         vision_config=hf.to_dict(), text_config=dict(hidden_size=2560),
         mm_tokens_per_image=c.tokens_per_image))
   expected = sum(p.numel() for m in (tower, projector) for p in m.parameters())
-  shapes = hf_vision.param_shapes(c, 2560)
-  assert sum(int(np.prod(s)) for s in shapes.values()) == expected == 419_816_304
+  pixels = jax.ShapeDtypeStruct((1, c.image_size, c.image_size, c.num_channels), jnp.float32)
+  shapes = nn.meta.unbox(jax.eval_shape(vision.VisionTower(c, 2560).init, jax.random.key(0),
+                                        pixels))
+  assert sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes)) == expected == 419_816_304
   assert projector.kernel_size == 4 and c.width // c.num_heads == 72
   hf_ids = transformers.Gemma3Config()
   assert (c.boi_token_id, c.eoi_token_id, c.image_token_id) == (

@@ -10,7 +10,7 @@ image (a square, m = sqrt(M) per side), D text model width.
 
     pixels [N, S, S, C] -> conv p x p, stride p -> [N, P, W] + position embedding
       -> scanned encoder layers (LayerNorm, attention with biases, GELU MLP)
-      -> final LayerNorm                                     (`VisionTower.encode`)
+      -> final LayerNorm                                     (`VisionEncoder`)
       -> average pooling G x G -> m x m, RMSNorm (1 + scale), x [W, D] -> [N, M, D]
 
 Parameter names (scanned: encoder layers stacked on a leading "layers" axis):
@@ -178,21 +178,13 @@ class VisionTower(nn.Module):
                                  self.remat_policy, self.attention_kernel)
     self.projector = VisionProjector(self.config, self.out_width, self.dtype, self.param_dtype)
 
-  def _flat(self, pixels: jax.Array) -> jax.Array:
+  def __call__(self, pixels: jax.Array) -> jax.Array:
+    """pixels [..., S, S, C] (normalised, see image_inputs) -> soft tokens [..., M, D]."""
     c = self.config
     chex.assert_axis_dimension(pixels, -1, c.num_channels)
     chex.assert_axis_dimension(pixels, -2, c.image_size)
     chex.assert_axis_dimension(pixels, -3, c.image_size)
-    return pixels.reshape((-1,) + pixels.shape[-3:])
-
-  def encode(self, pixels: jax.Array) -> jax.Array:
-    """pixels [..., S, S, C] -> encoder output [..., P, W] (transformers' last_hidden_state)."""
-    x = self.encoder(self._flat(pixels))
-    return x.reshape(pixels.shape[:-3] + x.shape[1:])
-
-  def __call__(self, pixels: jax.Array) -> jax.Array:
-    """pixels [..., S, S, C] (normalised, see image_inputs) -> soft tokens [..., M, D]."""
-    x = self.projector(self.encoder(self._flat(pixels)))
+    x = self.projector(self.encoder(pixels.reshape((-1,) + pixels.shape[-3:])))
     return x.reshape(pixels.shape[:-3] + x.shape[1:])
 
 
