@@ -55,6 +55,17 @@ def _check_tokens(tokens, vocab_size: int, name: str = "tokens"):
                        f"vocabulary [0, {vocab_size})")
 
 
+def _check_positions(positions, table_size: int, name: str = "positions"):
+  """When the positions are concrete, that a learned table of `table_size` rows (0: none)
+  holds them all; out of range, its lookup would give NaN."""
+  if not table_size or isinstance(positions, jax.core.Tracer):
+    return
+  values = np.asarray(positions)
+  if values.size and (values.min() < 0 or values.max() >= table_size):
+    raise ValueError(f"{name} span [{values.min()}, {values.max()}], outside the learned "
+                     f"position table [0, config.model.trainable_position_size={table_size})")
+
+
 def _check_same_shape(tokens, value, name):
   if value is not None and tuple(value.shape) != tuple(tokens.shape):
     raise ValueError(f"{name} must have the shape of tokens {tokens.shape}, got {value.shape}")
@@ -76,6 +87,7 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
       segment_ids = jnp.ones_like(tokens)
     if positions is None:
       positions = positions_from_segments(segment_ids)
+    _check_positions(positions, model_config.trainable_position_size)
     return tokens, positions, segment_ids
 
   @jax.jit
@@ -113,7 +125,8 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
       params: from `init` (or `gemma_jax.hf.load`).
       tokens: [B, T] int token ids.
       positions: [B, T] positions (RoPE, position embeddings); default: index within
-        each segment.
+        each segment. With a learned table they must lie in [0, trainable_position_size)
+        (checked unless traced).
       segment_ids: [B, T] document ids of packed rows (0 for padding); default: one
         document per row.
       images: [B, I, S, S, C] pixels from `gemma_jax.image_inputs` (a model with

@@ -135,6 +135,24 @@ def test_decode_step_checks_its_tokens(model):
     dec.decode_step(params, jnp.asarray([0, -1]), cache)
 
 
+def test_decode_step_stops_at_the_end_of_the_learned_positions():
+  """GPT-3 with a table of 8 positions: a 5-token prompt decodes positions 5..7 like the
+  full forward; the step at position 8 raises naming the table's size."""
+  config = tiny("gpt3")
+  config.model.trainable_position_size = config.data.seq_len = 8
+  params = random_params(config)
+  seq = np.random.RandomState(0).randint(0, 97, (2, 8)).astype(np.int32)
+  full = np.asarray(gj.transform(config).apply(params, jnp.asarray(seq)))
+  dec = decoding.make_decoding(config)
+  lengths = np.array([5, 5])
+  prefilled = dec.prefill(params, jnp.asarray(seq[:, :5]), cache_length=8)
+  got, want, cache = decode_along(dec, params, prefilled, seq, lengths, full, 3)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match=r"cache.next_position span \[8, 8\], outside the "
+                     r"learned position table \[0, config.model.trainable_position_size=8\)"):
+    dec.decode_step(params, jnp.zeros((2,), jnp.int32), cache)
+
+
 def test_cache_bytes_of_gemma3_27b_at_128k():
   """62 layers (10 global), 16 key/value heads of 128, bfloat16 keys and values: a window
   of 1024 on 52 local layers instead of 131072 positions; int32 slot positions."""

@@ -143,6 +143,32 @@ class InputsTest(chex.TestCase):
       model.apply(params, toks, segment_ids=jnp.ones((2, 5), jnp.int32))
 
 
+def test_positions_past_the_learned_table_raise_named_errors():
+  """A learned table of 16 positions: 20 tokens in one document (default positions 0..19)
+  or explicit positions 16 or -1 raise naming the field; two documents of 10 restart at 0 and
+  each gives the logits it gives alone."""
+  config = gj.get_config("gpt3-52k")
+  config.model.update(vocab_size=97, trainable_position_size=16)
+  config.data.seq_len = 16
+  model = gj.transform(config)
+  toks = tokens(t=20)
+  message = r"positions span \[{}, {}\], outside .*config.model.trainable_position_size=16\)"
+  with pytest.raises(ValueError, match=message.format(0, 19)):
+    model.init(jax.random.key(0), toks)
+  params = model.init(jax.random.key(0), toks[:, :16])
+  with pytest.raises(ValueError, match=message.format(0, 19)):
+    model.apply(params, toks)
+  for first in (1, -1):
+    with pytest.raises(ValueError, match=message.format(first, first + 15)):
+      model.apply(params, toks[:, :16],
+                  positions=jnp.broadcast_to(jnp.arange(first, first + 16), (2, 16)))
+  packed = model.apply(params, toks, segment_ids=jnp.asarray([[1] * 10 + [2] * 10] * 2))
+  np.testing.assert_allclose(packed[:, :10], model.apply(params, toks[:, :10]), rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(packed[:, 10:], model.apply(params, toks[:, 10:]), rtol=1e-5,
+                             atol=1e-5)
+
+
 def test_long_rows_run_local_layers_in_window_blocks():
   """Local layers take blocked masks (T x 2W work) once T > 2W, and the dense mask for
   shorter rows or image spans; the logits agree with the dense masks given explicitly."""

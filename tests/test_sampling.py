@@ -9,6 +9,7 @@ import torch
 
 import gemma_jax as gj
 from gemma_jax.inference import decoding, sampler
+from gemma_jax.training import tokenizers
 from test_hf import VOCAB, random_model
 
 NEW = 8
@@ -112,3 +113,25 @@ def test_greedy_is_the_argmax():
 def test_bad_options_name_themselves(options, message):
   with pytest.raises(ValueError, match=message):
     sampler.check_options(**dict(dict(temperature=1.0, top_k=0, top_p=1.0), **options))
+
+
+def test_sampler_refuses_new_tokens_past_the_learned_positions():
+  """GPT-3 with a table of 16 positions, a byte-level prompt of BOS + 3 bytes: 13 new
+  tokens reach position 15 and are the full forward's greedy ones; 14 would need
+  position 16."""
+  config = gj.get_config("gpt3-52k")
+  config.model.trainable_position_size = config.data.seq_len = 16
+  model = gj.transform(config)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+  tokenizer = tokenizers.ByteTokenizer()
+  row = np.zeros((1, 16), np.int32)
+  row[0, :4] = [tokenizer.bos_id, *tokenizer.encode(["abc"])[0]]
+  for p in range(3, 15):   # the causal model's logits at p see only row[:, :p + 1]
+    row[0, p + 1] = np.argmax(model.apply(params, jnp.asarray(row))[0, p])
+  greedy = np.append(row[0, 4:], np.argmax(model.apply(params, jnp.asarray(row))[0, 15]))
+  assert tokenizer.eos_id not in greedy   # so the sampler returns all 13
+  sample = sampler.Sampler(config, params, tokenizer).sample
+  np.testing.assert_array_equal(sample(["abc"], max_new_tokens=13).tokens[0], greedy)
+  with pytest.raises(ValueError, match=r"max_new_tokens=14 after a 4-token prompt needs "
+                     r"positions up to 16, .*config.model.trainable_position_size=16\)"):
+    sample(["abc"], max_new_tokens=14)

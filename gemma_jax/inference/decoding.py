@@ -27,7 +27,7 @@ from gemma_jax import config as config_lib
 from gemma_jax.decoder import Decoder, layer_masks, layer_types
 from gemma_jax.layers.attention import Decode, Prefill, attention_mask
 from gemma_jax.models import vision
-from gemma_jax.transformer import _check_tokens
+from gemma_jax.transformer import _check_positions, _check_tokens
 
 
 class Cache(NamedTuple):
@@ -173,11 +173,14 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
 
   def decode_step(params: dict, tokens: jax.Array, cache: Cache):
     """One token per row, tokens [B] int, at each row's next position: (logits [B, V]
-    float32, the cache with it). The cache passed in is donated (do not reuse it)."""
+    float32, the cache with it). The cache passed in is donated (do not reuse it).
+    Under jit the positions are not checked against a learned position table (see
+    `sampler.Sampler`, which checks the prompt plus new tokens once)."""
     if tokens.shape != cache.next_position.shape:
       raise ValueError(f"tokens must have shape [batch] = {cache.next_position.shape}, got "
                        f"{tokens.shape}")
     _check_tokens(tokens[:, None], model.vocab_size)
+    _check_positions(cache.next_position, model.trainable_position_size, "cache.next_position")
     return _step(params, tokens, cache)
 
   return Decoding(prefill, decode_step)

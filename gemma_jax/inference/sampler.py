@@ -153,6 +153,11 @@ class Sampler:
     for b, row in enumerate(rows):
       tokens[b, :len(row)] = row
     cache_length = tokens.shape[1] + max_new_tokens - 1
+    table = self.config.model.trainable_position_size
+    if table and cache_length > table:
+      raise ValueError(f"max_new_tokens={max_new_tokens} after a {tokens.shape[1]}-token prompt "
+                       f"needs positions up to {cache_length - 1}, past the learned position "
+                       f"table [0, config.model.trainable_position_size={table})")
     decoding_lib.check_prompts(tokens, lengths, cache_length, self.config.model.vocab_size)
     static = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
                   top_p=float(top_p), pad_id=t.pad_id, cache_length=cache_length,
