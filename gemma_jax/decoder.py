@@ -11,10 +11,11 @@ Without it every layer is unrolled. Parameter names:
              layers_{i}/...        (the remainder, i >= n_blocks * period)
   unrolled:  layers_{i}/...        for every i
 
-`stack_layers` / `unstack_layers` convert between the two.
+`stack_layers` / `unstack_layers` convert between the two, and between the vision
+tower's scanned `vision/encoder/layers` and unrolled `vision/encoder/layers_{i}`.
 """
 
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -179,44 +180,56 @@ class Decoder(nn.Module):
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
+def _stack(layers: Sequence[Any]) -> Any:
+  """Parameter trees of one structure -> one tree, leaves stacked on a new leading layer
+  axis: host arrays on the host, device arrays on the device."""
+  def stack(*arrays):
+    if all(isinstance(a, np.ndarray) for a in arrays):
+      return np.stack(arrays)
+    return jnp.stack(arrays)
+  return jax.tree_util.tree_map(stack, *layers)
+
+
+def _unstack(stacked: Any) -> List[Any]:
+  """A tree with a leading layer axis -> one tree per layer (`_stack` undone)."""
+  count = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+  return [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(count)]
+
+
 def unstack_layers(params: dict, config: config_dict.ConfigDict) -> dict:
-  """Scanned parameter tree -> one entry `layers_{i}` per layer (the vision tower's too)."""
+  """Scanned parameter tree -> one entry `layers_{i}` per layer, the vision tower's
+  `encoder/layers` too."""
   params = dict(params)
-  if "vision" in params:
-    params["vision"] = vision.unstack_layers(params["vision"])
+  if "vision" in params and "layers" in params["vision"]["encoder"]:
+    encoder = dict(params["vision"]["encoder"])
+    for i, layer in enumerate(_unstack(encoder.pop("layers"))):
+      encoder[f"layers_{i}"] = layer
+    params["vision"] = dict(params["vision"], encoder=encoder)
   blocks = params.pop("blocks", None)
   if blocks is None:
     return params
   period = len(config.attention_pattern)
-  n_blocks = jax.tree_util.tree_leaves(blocks)[0].shape[0]
-  for b in range(n_blocks):
-    for j in range(period):
-      params[f"layers_{b * period + j}"] = jax.tree_util.tree_map(
-          lambda a, b=b: a[b], blocks[f"layer_{j}"])
+  for j in range(period):
+    for b, layer in enumerate(_unstack(blocks[f"layer_{j}"])):
+      params[f"layers_{b * period + j}"] = layer
   return params
 
 
-def _stack(*arrays):
-  """Stacks host arrays on the host and device arrays on the device."""
-  if all(isinstance(a, np.ndarray) for a in arrays):
-    return np.stack(arrays)
-  return jnp.stack(arrays)
-
-
 def stack_layers(params: dict, config: config_dict.ConfigDict) -> dict:
-  """`layers_{i}` parameter tree -> the layout `config.scan_layers` asks for."""
+  """`layers_{i}` parameter tree -> the layout `config.scan_layers` asks for, the vision
+  tower's `encoder/layers_{i}` too."""
   params = dict(params)
   if "vision" in params and config.scan_layers:
-    params["vision"] = vision.stack_layers(params["vision"], config.vision.num_layers)
+    encoder = dict(params["vision"]["encoder"])
+    encoder["layers"] = _stack([encoder.pop(f"layers_{i}")
+                                for i in range(config.vision.num_layers)])
+    params["vision"] = dict(params["vision"], encoder=encoder)
   n_blocks = scanned_block_count(config)
   if not n_blocks:
     return params
   period = len(config.attention_pattern)
-  layer = lambda i: params.pop(f"layers_{i}")
-  per_block = [[layer(b * period + j) for j in range(period)] for b in range(n_blocks)]
   params["blocks"] = {
-      f"layer_{j}": jax.tree_util.tree_map(_stack,
-                                           *[per_block[b][j] for b in range(n_blocks)])
+      f"layer_{j}": _stack([params.pop(f"layers_{b * period + j}") for b in range(n_blocks)])
       for j in range(period)
   }
   return params

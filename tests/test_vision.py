@@ -173,6 +173,22 @@ def test_model_attention_kernel_reaches_every_attention():
   assert set(kernels.values()) == {"jax"}, kernels
 
 
+def test_stack_inverts_unstack_with_the_tower():
+  """decoder.stack_layers / unstack_layers convert the tower's layers too: device arrays
+  stacked on the device, host arrays on the host."""
+  config = gj.get_config("gemma3-tiny-vision")
+  params = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  flat = decoder.unstack_layers(params, config.model)
+  encoder = flat["vision"]["encoder"]
+  assert "layers" not in encoder
+  assert {f"layers_{i}" for i in range(config.model.vision.num_layers)} <= set(encoder)
+  chex.assert_trees_all_equal(decoder.stack_layers(flat, config.model), params)
+  on_host = decoder.stack_layers(jax.tree.map(np.asarray, flat), config.model)
+  assert all(isinstance(a, np.ndarray) for a in jax.tree.leaves(on_host))
+  assert all(isinstance(a, jax.Array) for a in jax.tree.leaves(
+      decoder.stack_layers(flat, config.model)))
+
+
 def torch_grads(cotangent):
   """d<soft tokens, cotangent>/d(pixels, vision weights) by torch autograd."""
   model, pixels, _, _ = reference()

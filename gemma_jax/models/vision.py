@@ -21,7 +21,7 @@ Parameter names (scanned: encoder layers stacked on a leading "layers" axis):
     attn/out/{kernel [A, Hv, W], bias [W]}, pre_mlp_norm/{scale, bias},
     mlp/up/{kernel [W, F], bias [F]}, mlp/down/{kernel [F, W], bias [W]},
   encoder/final_norm/{scale, bias}, projector/norm/scale [W], projector/proj/kernel [W, D].
-`stack_layers` / `unstack_layers` convert between the two layer layouts.
+`decoder.stack_layers` / `decoder.unstack_layers` convert between the two layer layouts.
 
 Merge helpers: `image_span_ids` (span ids for `attention_mask(..., q_spans, kv_spans)`)
 and `merge_soft_tokens`.
@@ -256,25 +256,3 @@ def check_image_inputs(tokens: Any, images: Any, config: config_dict.ConfigDict)
       if length != config.tokens_per_image:
         raise ValueError(f"tokens row {row}: image placeholder span {k} holds {length} "
                          f"image_token_id ids, not tokens_per_image={config.tokens_per_image}")
-
-
-# ----------------------------------------------------------------------------- layouts
-
-
-def stack_layers(params: dict, num_layers: int) -> dict:
-  """Tower parameters with `encoder/layers_{i}` -> the scanned `encoder/layers` (stacked)."""
-  encoder = dict(params["encoder"])
-  per_layer = [encoder.pop(f"layers_{i}") for i in range(num_layers)]
-  encoder["layers"] = jax.tree_util.tree_map(lambda *a: np.stack(a), *per_layer)
-  return dict(params, encoder=encoder)
-
-
-def unstack_layers(params: dict) -> dict:
-  """Scanned tower parameters -> one `encoder/layers_{i}` per layer (unrolled unchanged)."""
-  encoder = dict(params["encoder"])
-  if "layers" not in encoder:
-    return dict(params)
-  stacked = encoder.pop("layers")
-  for i in range(jax.tree_util.tree_leaves(stacked)[0].shape[0]):
-    encoder[f"layers_{i}"] = jax.tree_util.tree_map(lambda a, i=i: a[i], stacked)
-  return dict(params, encoder=encoder)
