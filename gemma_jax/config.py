@@ -430,3 +430,20 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
   number("sample.temperature", "[0, inf)")
   integer("sample.top_k", 0)
   number("sample.top_p", "(0, 1]")
+
+
+def check_sample_fits(config: config_dict.ConfigDict, prompt_length: int) -> None:
+  """Raises ConfigError (sample.max_new_tokens) when the end-of-training sample, a prompt
+  of `prompt_length` ids (BOS included) then sample.max_new_tokens, needs positions past
+  the learned position table. The training loop calls it once its tokenizer has counted
+  the prompt; `validate` has no tokenizer, and also guards configs that never train."""
+  table, new = config.model.trainable_position_size, config.sample.max_new_tokens
+  # As in `Sampler.sample`: the last new token is never fed back, so the positions used
+  # are 0 .. prompt_length + new - 2.
+  needed = prompt_length + new - 1
+  if table and new and needed > table:
+    raise ConfigError("sample.max_new_tokens",
+                      f"{new} new tokens after the {prompt_length}-token sample.prompt (BOS "
+                      f"included) need {needed} positions, more than "
+                      f"model.trainable_position_size={table}: use at most "
+                      f"{table - prompt_length + 1}, or 0 to skip the sample")

@@ -77,3 +77,24 @@ def test_transform_validates_before_building():
   config.model.num_heads = 5
   with pytest.raises(config_lib.ConfigError, match="num_kv_heads"):
     gj.transform(config)
+
+
+def test_end_of_training_sample_must_fit_the_learned_positions():
+  """A table of 128 positions, a 5-token prompt: 124 new tokens use positions 0..127;
+  125 (or the default 200) raise naming sample.max_new_tokens."""
+  config = gj.get_config("gpt3-52k")
+  config.model.trainable_position_size = config.data.seq_len = 128
+  gj.validate(config)   # the sample is checked once the training loop has a tokenizer
+  for new in (200, 125):
+    config.sample.max_new_tokens = new
+    with pytest.raises(config_lib.ConfigError, match=f"{new} new tokens after the 5-token "
+                       r"sample.prompt .* need \d+ positions, more than "
+                       r"model.trainable_position_size=128: use at most 124") as error:
+      config_lib.check_sample_fits(config, 5)
+    assert error.value.field == "sample.max_new_tokens"
+  for new in (124, 0):
+    config.sample.max_new_tokens = new
+    config_lib.check_sample_fits(config, 5)
+  config.model.trainable_position_size = 0   # no table: nothing to run past
+  config.sample.max_new_tokens = 10_000
+  config_lib.check_sample_fits(config, 5)

@@ -308,6 +308,26 @@ def test_bad_config_or_data_fails_before_building_the_model(corpus, tmp_path, mo
   assert error.value.field == name
 
 
+def test_sample_past_the_learned_positions_fails_before_the_data(tmp_path, monkeypatch):
+  """The byte-level prompt "def " is 5 ids with BOS: 28 new tokens fit a table of 32
+  positions, 29 do not, and training refuses before reading any data."""
+  class DataLoaded(Exception):
+    pass
+
+  def load_splits(*_):
+    raise DataLoaded
+
+  monkeypatch.setattr(loop.data, "load_splits", load_splits)
+  config = tiny_config(trainable_position_size=32)
+  config.sample.update(prompt="def ", max_new_tokens=29)
+  with pytest.raises(gj.ConfigError, match="29 new tokens after the 5-token") as error:
+    loop.train(config, str(tmp_path))
+  assert error.value.field == "sample.max_new_tokens"
+  config.sample.max_new_tokens = 28
+  with pytest.raises(DataLoaded):
+    loop.train(config, str(tmp_path))
+
+
 def write_config_file(directory, corpus_glob, steps):
   """tiny_config as a config file for experiments/train.py."""
   path = directory / "tiny_config.py"
