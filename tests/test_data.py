@@ -68,8 +68,21 @@ def test_tokenizer_errors_name_the_field(tmp_path):
   with pytest.raises(gj.ConfigError, match="no file at") as error:
     tokenizers.get_tokenizer(str(tmp_path / "missing.model"), model_vocab_size=512)
   assert error.value.field == "data.tokenizer"
+  with pytest.raises(gj.ConfigError, match="is a directory") as error:
+    tokenizers.get_tokenizer(str(tmp_path), model_vocab_size=512)
+  assert error.value.field == "data.tokenizer"
   with pytest.raises(gj.ConfigError, match="259 ids does not fit model.vocab_size=200"):
     tokenizers.get_tokenizer("byte", model_vocab_size=200)
+
+
+def test_a_file_sentencepiece_cannot_load_is_a_config_error(tmp_path):
+  """sentencepiece raises RuntimeError, which train.py would print as a traceback."""
+  (tmp_path / "text.model").write_text("not a model\n")
+  (tmp_path / "empty.model").write_bytes(b"")
+  for name in ("text.model", "empty.model"):
+    with pytest.raises(gj.ConfigError, match="is not a SentencePiece model file") as error:
+      tokenizers.get_tokenizer(str(tmp_path / name), model_vocab_size=512)
+    assert error.value.field == "data.tokenizer" and name in str(error.value)
 
 
 # Documents.

@@ -53,13 +53,21 @@ def get_tokenizer(name: str, model_vocab_size: int):
   """"byte" or a SentencePiece model path -> tokenizer whose ids fit the model.
 
   Raises:
-    ConfigError (field data.tokenizer): no such model file, or its vocabulary is
-      larger than `model_vocab_size`.
+    ConfigError (field data.tokenizer): no such model file, a directory, a file that
+      is not a SentencePiece model, or a vocabulary larger than `model_vocab_size`.
   """
   if name == "byte":
     tokenizer = ByteTokenizer()
+  elif os.path.isdir(name):
+    raise ConfigError("data.tokenizer", f"{name!r} is a directory (expected 'byte' or a "
+                      "SentencePiece model file)")
   elif os.path.isfile(name):
-    tokenizer = SentencePieceTokenizer(name)
+    try:
+      tokenizer = SentencePieceTokenizer(name)
+    except (RuntimeError, OSError) as error:
+      # sentencepiece raises RuntimeError for a file it cannot parse (or an empty one).
+      raise ConfigError("data.tokenizer", f"{name!r} is not a SentencePiece model file "
+                        f"({error})") from None
   else:
     raise ConfigError("data.tokenizer",
                       f"no file at {name!r} (expected 'byte' or a SentencePiece model path)")
