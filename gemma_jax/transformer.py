@@ -97,8 +97,10 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
   @functools.partial(jax.jit, static_argnames="return_aux")
   def _apply(params, tokens, positions, segment_ids, images, rng, return_aux):
     rngs = None if rng is None else {"dropout": rng}
+    # Without images there are no spans (check_image_inputs refuses placeholders then),
+    # so local layers of long rows keep their blocked masks.
     spans = (vision.image_span_ids(tokens, model_config.vision.image_token_id)
-             if model_config.vision.enabled else None)
+             if images is not None else None)
     run = functools.partial(module(rng is None).apply, {"params": params}, tokens, positions,
                             segment_ids, spans, images=images, rngs=rngs)
     if not return_aux:

@@ -190,6 +190,36 @@ def test_long_rows_run_local_layers_in_window_blocks():
   np.testing.assert_allclose(blocked, dense, rtol=1e-5, atol=1e-5)
 
 
+def _shapes(jaxpr):
+  """The shapes of every value a jaxpr computes, nested jaxprs included."""
+  for eqn in jaxpr.eqns:
+    yield from (v.aval.shape for v in eqn.outvars)
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        if hasattr(sub, "eqns"):
+          yield from _shapes(sub)
+
+
+def test_vision_model_without_images_keeps_blocked_local_attention():
+  """A vision model's text-only rows of 11 > 2 x 4 tokens through local layers: no value
+  is T x T (the dense mask or its logits), some are W x 2W blocks, and the logits are the
+  dense masks' given explicitly."""
+  config = gj.get_config("gemma3-tiny-vision")
+  config.model.update(dict(d_model=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=48,
+                           num_layers=2, attention_pattern=("local",), sliding_window=4))
+  model = gj.transform(config)
+  toks = tokens(t=11, vocab=500)   # no image ids (508 to 511)
+  params = model.init(jax.random.key(0), toks)
+  shapes = list(_shapes(jax.make_jaxpr(model.apply)(params, toks).jaxpr))
+  assert not [s for s in shapes if s[-2:] == (11, 11)]
+  assert [s for s in shapes if s[-2:] == (4, 8)]
+  segments = jnp.ones_like(toks)
+  dense = decoder.Decoder(config.model).apply(
+      {"params": params}, toks, jnp.broadcast_to(jnp.arange(11), (2, 11)), segments,
+      masks=decoder.layer_masks(config.model, segments))
+  np.testing.assert_allclose(model.apply(params, toks), dense, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_type", ["gemma3", "gpt3"])
 def test_dropout_mask_is_shared_along_the_length(block_type):
   """A layer's output dropout drops the same features at every position of a row and
