@@ -42,8 +42,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _IMAGE = flags.DEFINE_multi_string("image", [], "An image file for a model with vision "
                                    "(repeatable); each fills the prompt's next "
                                    "<start_of_image>, or goes before the prompt's text.")
-_CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "Dtype of the cached keys and values; "
-                                   "default: bfloat16 on accelerators, else the compute dtype.")
+_CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "Dtype of the cached keys and values, "
+                                   f"one of {', '.join(gj.config.DTYPES)}; default: bfloat16 on "
+                                   "accelerators, else the compute dtype.")
 
 
 def _from_workdir(config, workdir: str):
@@ -81,6 +82,10 @@ def _load():
 def main(argv):
   del argv
   try:
+    # Checked before loading a model: jnp.dtype would raise TypeError only after it.
+    if _CACHE_DTYPE.value is not None and _CACHE_DTYPE.value not in gj.config.DTYPES:
+      raise ValueError(f"--cache_dtype: {_CACHE_DTYPE.value!r} is not one of "
+                       f"{', '.join(gj.config.DTYPES)}")
     config, params, tokenizer_name = _load()
     tokenizer = tokenizers.get_tokenizer(tokenizer_name, config.model.vocab_size)
     samples = sampler.Sampler(config, params, tokenizer, cache_dtype=_CACHE_DTYPE.value).sample(

@@ -32,6 +32,32 @@ def sample_app(*flags):
   return result.stdout
 
 
+def sample_app_error(*flags):
+  """The one line sample.py prints to stderr when it refuses its flags."""
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "sample.py"), *flags],
+      capture_output=True, text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""),
+      check=False)
+  assert result.returncode == 1, result.stderr[-3000:]
+  assert "Traceback" not in result.stderr, result.stderr[-3000:]
+  return result.stderr.strip().splitlines()[-1]
+
+
+def test_a_cache_dtype_that_is_no_float_dtype_is_one_error_line(tmp_path):
+  """Not a dtype (jnp.dtype raised TypeError, a traceback), or not a float one."""
+  config = gj.get_config("gemma3-tiny")
+  config.model.update(num_layers=2, attention_pattern=("local", "global"), sliding_window=8)
+  shapes = jax.eval_shape(gj.transform(config).init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  gj.hf.save(str(tmp_path / "hf"), config,
+             jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes))
+  for dtype in ("foo", "int8"):
+    line = sample_app_error(f"--hf_dir={tmp_path / 'hf'}", "--tokenizer=byte",
+                            f"--cache_dtype={dtype}")
+    assert line == (f"sample.py: error: --cache_dtype: {dtype!r} is not one of "
+                    "float32, bfloat16, float16")
+
+
 def test_from_a_transformers_directory_with_a_sentencepiece_tokenizer(tmp_path):
   sentencepiece.SentencePieceTrainer.train(
       input=os.path.join(ROOT, "README.md"), model_prefix=str(tmp_path / "tokenizer"),
