@@ -6,8 +6,10 @@ r"""Peak memory of a training step under each remat policy, from XLA's memory an
 Nothing is allocated: the train step (forward, backward, AdamW, state donated) is
 compiled for abstract inputs and XLA reports its buffers. "temp" is what the step
 allocates beyond its inputs and outputs (the saved activations live there); "total" is
-arguments + outputs - donated aliases + temp, what the step needs at once. Policies that park tensors in pinned host memory
-compile only where the backend has host offload; elsewhere the row says so.
+arguments + outputs - donated aliases + temp, what the step needs at once. The policies
+that park tensors in pinned host memory read like their non-offloaded counterparts on a
+CPU, where host and device memory are one; a backend that cannot compile one gets a row
+with its error.
 """
 
 from absl import app

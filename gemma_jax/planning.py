@@ -2,9 +2,8 @@
 
 Parameter, gradient and optimizer bytes are exact: shapes from `jax.eval_shape`,
 shards from the sharding rules on a mesh of the requested shape (no devices needed).
-Activation bytes are an estimate: what the backward pass keeps per layer under the
-remat policy (the tensors the policy saves, plus each layer's input), one layer's
-full working set while it is recomputed, and the float32 logits and their gradient.
+Activation bytes are an estimate (`activation_bytes_per_device`), checked against XLA's
+own memory analysis of compiled steps in the tests.
 
 Decoding caches (`cache_bytes`) are exact too: the shapes of what `prefill` returns.
 """
@@ -17,7 +16,7 @@ import jax
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax import sharding
+from gemma_jax import decoder, sharding
 from gemma_jax.inference import decoding
 from gemma_jax.transformer import transform
 
@@ -32,37 +31,61 @@ def param_bytes_per_device(config: config_dict.ConfigDict, sizes: dict) -> int:
              for path, s in shapes.items())
 
 
-def _kept_per_token(m, policy: str) -> int:
-  """Elements per token per layer that the backward pass keeps under `policy`."""
-  qkv = (m.num_heads + 2 * m.num_kv_heads) * m.head_dim
-  d, f = m.d_model, m.mlp_dim
+def _kept_per_token(m, kind: str, policy: str) -> int:
+  """Elements per token that the backward pass keeps of one layer of attention type
+  `kind` under `policy` (attention probabilities aside)."""
+  global_ = kind == "global"
+  h = (m.global_head_dim or m.head_dim) if global_ else m.head_dim
+  kv = (m.global_num_kv_heads or m.num_kv_heads) if global_ else m.num_kv_heads
+  qkv = (m.num_heads + 2 * kv) * h
+  d = m.d_model
+  hidden = m.mlp_dim + m.experts_per_token * m.expert_mlp_dim * bool(m.num_experts)
+  routed = (m.experts_per_token * (d + d) + m.num_experts) * bool(m.num_experts)
   kept = {
-      "none": d + qkv + d + 3 * f + d + 4 * d,      # input, qkv, out, mlp hidden, mlp out, norms
+      # input, q/k/v, attention out, MLP gate/up/activation, MLP out, norms (+ routed rows)
+      "none": d + qkv + d + 3 * hidden + d + 4 * d + routed,
       "full": d,
-      "minimal": d + qkv + d + 2 * f + d,
+      "minimal": d + qkv + d + 2 * hidden + d,
       "save_qkv_proj": d + qkv,
       "save_dot_except_mlp": d + qkv + d,
       "save_out_proj": d + d,
-      "qkv_proj_offloaded": d,                      # the rest is in host memory
-      "minimal_offloaded": d,
+      # like their non-offloaded counterparts where device and host memory are one (a CPU)
+      "qkv_proj_offloaded": d + qkv,
+      "minimal_offloaded": d + qkv + d + 2 * hidden + d,
   }
   return kept[policy]
 
 
+def _keys_per_query(m, kind: str, seq_len: int) -> int:
+  """Logits per query of a layer: 2W for a sliding-window layer run in blocks (T > 2W),
+  else T."""
+  if kind == "local" and m.sliding_window and seq_len > 2 * m.sliding_window:
+    return 2 * m.sliding_window
+  return seq_len
+
+
 def activation_bytes_per_device(config: config_dict.ConfigDict, sizes: dict,
                                 batch_size: int, seq_len: int) -> int:
-  """Estimated activation bytes one device holds at the peak of the backward pass."""
+  """Estimated activation bytes one device holds at the peak of the backward pass: what
+  the policy keeps of every layer, plus (under remat) the whole working set of one remat
+  unit (a scanned period of the attention pattern, or one unscanned layer) while it is
+  recomputed, plus the float32 logits, their softmax and gradient."""
   m = config.model
   micro_rows = (batch_size // config.optimizer.grad_accum_steps //
                 math.prod(sizes[a] for a in sharding.BATCH_AXES))
   tokens = micro_rows * seq_len
   item = np.dtype(m.dtype).itemsize
-  kept = _kept_per_token(m, m.remat_policy) * tokens * item * m.num_layers
-  probs = micro_rows * m.num_heads * seq_len * seq_len * 4 // sizes["tensor"]
-  if m.remat_policy == "none":
-    kept += probs * m.num_layers
-  working = _kept_per_token(m, "none") * tokens * item + probs
-  logits = 2 * tokens * m.vocab_size * 4 // sizes["tensor"]
+  # logits, masked logits, probabilities and their gradient: float32, heads split over
+  # "tensor"
+  probs = lambda kind: (4 * micro_rows * m.num_heads * seq_len
+                        * _keys_per_query(m, kind, seq_len) * 4 // sizes["tensor"])
+  layer = lambda kind, policy: (_kept_per_token(m, kind, policy) * tokens * item
+                                + (probs(kind) if policy == "none" else 0))
+  types = decoder.layer_types(m)
+  kept = sum(layer(kind, m.remat_policy) for kind in types)
+  unit = m.attention_pattern if decoder.scanned_block_count(m) else ("global",)
+  working = 0 if m.remat_policy == "none" else sum(layer(kind, "none") for kind in unit)
+  logits = 3 * tokens * m.vocab_size * 4 // sizes["tensor"]
   return kept + working + logits
 
 
