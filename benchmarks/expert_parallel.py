@@ -10,7 +10,6 @@ On a CPU it simulates 8 devices (the XLA flag is set before jax is imported); on
 accelerator host it uses the real devices. Times are medians in ms per step.
 """
 
-import json
 import os
 import time
 
@@ -25,6 +24,7 @@ import jax
 import numpy as np
 import optax
 
+import common
 import gemma_jax as gj
 from gemma_jax import host_memory, sharding
 from gemma_jax.training import data, steps
@@ -74,17 +74,13 @@ def main(argv):
   host_memory.keep_freed_memory()
   results = {name: time_mesh(sizes) for name, sizes in MESHES.items()}
   base = results["data8 (experts replicated)"]
-  print(f"gemma4-moe-tiny train step, batch {_BATCH.value} x {_SEQ.value}, "
-        f"{jax.device_count()} {jax.default_backend()} devices")
-  print("| mesh | ms / step | vs data8 |\n|---|---|---|")
-  for name, ms in results.items():
-    print(f"| {name} | {ms:.1f} | {ms / base:.2f}x |")
-  with open(_OUT.value, "w") as f:
-    json.dump({"backend": jax.default_backend(), "devices": jax.device_count(),
-               "batch_size": _BATCH.value, "seq_len": _SEQ.value, "ms_per_step": results}, f,
-              indent=1)
-  print(f"wrote {_OUT.value}")
-
+  common.print_table(
+      f"gemma4-moe-tiny train step, batch {_BATCH.value} x {_SEQ.value}, "
+      f"{jax.device_count()} {jax.default_backend()} devices",
+      ["mesh", "ms / step", "vs data8"],
+      [[name, ms, f"{ms / base:.2f}x"] for name, ms in results.items()])
+  common.write_json(_OUT.value, {"batch_size": _BATCH.value, "seq_len": _SEQ.value,
+                                 "ms_per_step": results})
 
 if __name__ == "__main__":
   app.run(main)

@@ -11,16 +11,12 @@ blocks: "32" one tier, "256+32" two (`grouped_matmul.BLOCK_ROWS` is the default)
 Times are medians in ms.
 """
 
-import json
-import platform
-import time
-
 from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+import common
 from gemma_jax import host_memory
 from gemma_jax.layers import expert_dispatch
 from gemma_jax.layers.mlp import ACTIVATIONS
@@ -40,17 +36,6 @@ _OUT = flags.DEFINE_string("out", None, "JSON output; default moe_dispatch_<back
 ACTIVATION = ACTIVATIONS["gelu_tanh"]
 
 
-def median_ms(fn, *args) -> float:
-  """Median wall time of fn(*args) after a compiling call; at least 3 runs."""
-  jax.block_until_ready(fn(*args))
-  times, start = [], time.perf_counter()
-  while len(times) < 3 or time.perf_counter() - start < _SECONDS.value:
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return 1e3 * float(np.median(times))
-
-
 def problem(num_experts: int, seed: int = 0):
   """Tokens, a softmax top-k routing of random logits, and expert weights."""
   m, d, f, k = _TOKENS.value, _D_MODEL.value, _MLP_DIM.value, _TOP_K.value
@@ -66,9 +51,10 @@ def timings(dispatch, x, ids, weights, gate, up, down) -> dict:
   """{"forward": ms, "backward": ms (forward + gradients)}."""
   run = lambda x, gate, up, down: dispatch(x, ids, weights, gate, up, down, ACTIVATION)
   loss = lambda *args: jnp.sum(jnp.square(run(*args)))
-  return {"forward": median_ms(jax.jit(run), x, gate, up, down),
-          "backward": median_ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
-                                x, gate, up, down)}
+  ms = lambda fn: 1e3 * common.median_seconds(
+      lambda: jax.block_until_ready(fn(x, gate, up, down)), min_seconds=_SECONDS.value)
+  return {"forward": ms(jax.jit(run)),
+          "backward": ms(jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))))}
 
 
 def routed_baseline(x, ids, weights, gate, up, down):
@@ -100,21 +86,14 @@ def main(argv):
           flush=True)
 
   columns = [k for k in results[0] if k != "experts"]
-  print(f"\nbackend {backend}, M={_TOKENS.value} tokens, k={_TOP_K.value}, "
-        f"D={_D_MODEL.value}, F={_MLP_DIM.value}; ms forward / forward+backward")
-  print("| E | " + " | ".join(columns) + " |")
-  print("|---" * (len(columns) + 1) + "|")
-  for row in results:
-    print(f"| {row['experts']} | " + " | ".join(
-        f"{row[c]['forward']:.1f} / {row[c]['backward']:.1f}" for c in columns) + " |")
-  out = _OUT.value or f"moe_dispatch_{backend}.json"
-  with open(out, "w") as f:
-    json.dump({"backend": backend, "device": str(jax.devices()[0]),
-               "machine": platform.machine(), "jax": jax.__version__,
-               "tokens": _TOKENS.value, "top_k": _TOP_K.value, "d_model": _D_MODEL.value,
-               "expert_mlp_dim": _MLP_DIM.value, "results": results}, f, indent=1)
-  print(f"wrote {out}")
-
+  common.print_table(
+      f"backend {backend}, M={_TOKENS.value} tokens, k={_TOP_K.value}, D={_D_MODEL.value}, "
+      f"F={_MLP_DIM.value}; ms forward / forward+backward", ["E"] + columns,
+      [[row["experts"]] + [f"{row[c]['forward']:.1f} / {row[c]['backward']:.1f}"
+                           for c in columns] for row in results])
+  common.write_json(_OUT.value or f"moe_dispatch_{backend}.json",
+                    {"tokens": _TOKENS.value, "top_k": _TOP_K.value, "d_model": _D_MODEL.value,
+                     "expert_mlp_dim": _MLP_DIM.value, "results": results})
 
 if __name__ == "__main__":
   app.run(main)
