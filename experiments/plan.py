@@ -35,7 +35,8 @@ _JSON = flags.DEFINE_string("json", None, "Also write the plan to this JSON file
 _CACHE_LENGTH = flags.DEFINE_integer("cache_length", 0, "Also plan decoding caches covering "
                                      "this many positions; 0: do not.")
 _CACHE_BATCH = flags.DEFINE_integer("cache_batch", 1, "Rows of the planned decoding caches.")
-_CACHE_DTYPE = flags.DEFINE_string("cache_dtype", "bfloat16", "Dtype of the planned caches.")
+_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "bfloat16", list(gj.config.DTYPES),
+                                 "Dtype of the planned caches.")
 flags.mark_flags_as_required(["config"])
 
 GIB = 2 ** 30
@@ -44,19 +45,19 @@ GIB = 2 ** 30
 def main(argv):
   del argv
   config = _CONFIG.value
-  if _PRESET.value:   # the preset's architecture; compute choices stay the config's
-    keep = {k: config.model[k] for k in ("dtype", "param_dtype", "remat_policy", "scan_layers")}
-    for key, value in gj.get_config(_PRESET.value).model.items():
-      config.model[key] = keep.get(key, value)
-  if _MESH.value:
-    config.mesh.update(sharding.MESH_PRESETS[_MESH.value])
   try:
+    if _PRESET.value:   # the preset's architecture; compute choices stay the config's
+      keep = {k: config.model[k] for k in ("dtype", "param_dtype", "remat_policy", "scan_layers")}
+      for key, value in gj.get_config(_PRESET.value).model.items():
+        config.model[key] = keep.get(key, value)
+    if _MESH.value:
+      config.mesh.update(sharding.MESH_PRESETS[_MESH.value])
     gj.validate(config)
     result = planning.plan(config, _DEVICES.value, config.train.batch_size, config.data.seq_len)
     if _CACHE_LENGTH.value:
       result["decode_cache"] = planning.cache_bytes(config, _CACHE_BATCH.value,
                                                     _CACHE_LENGTH.value, _CACHE_DTYPE.value)
-  except gj.ConfigError as error:
+  except (gj.ConfigError, ValueError) as error:   # ValueError: an unknown --preset
     sys.exit(f"plan.py: error: {error}")
   print(f"{config.model.name} on {_DEVICES.value} devices, mesh {result['mesh']}, "
         f"batch {config.train.batch_size} x {config.data.seq_len} tokens, "

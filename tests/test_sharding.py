@@ -340,3 +340,17 @@ def test_plan_app_per_device_bytes(tmp_path, preset, mesh, expected_mesh):
   assert plan["gradients"] == plan["params"]
   assert plan["optimizer_state"] >= 2 * plan["params"]
   assert 0 < plan["activations"]
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--preset=gemma3-nope", "plan.py: error: unknown preset 'gemma3-nope'"),
+    ("--cache_dtype=foo", "--cache_dtype=foo: value should be one of"),
+])
+def test_plan_app_bad_flags_are_one_error_line(flag, message):
+  """An unknown preset or cache dtype stops plan.py with one line, not a traceback."""
+  run = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "plan.py"),
+                        "--config=" + os.path.join(REPO, "configs", "gemma3_1b.py"),
+                        "--cache_length=8", flag], cwd=REPO, capture_output=True, text=True)
+  assert run.returncode != 0
+  assert "Traceback" not in run.stderr
+  assert message in run.stderr
