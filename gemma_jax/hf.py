@@ -251,6 +251,10 @@ def _architecture(m: config_dict.ConfigDict) -> dict:
   arch["attention_pattern"] = types
   arch["vision"] = ({k: v for k, v in m.vision.items() if k != "double_newline_token_id"}
                     if m.vision.enabled else None)
+  if m.vision.enabled:   # which layers let an image's tokens see each other
+    arch["bidirectional_span_types"] = tuple(
+        kind for kind in config_lib.ATTENTION_TYPES
+        if kind in m.bidirectional_span_types and kind in types)
   head_dims = {"local": m.head_dim, "global": m.global_head_dim or m.head_dim}
   arch["query_pre_attn_scalar"] = tuple(m.query_pre_attn_scalar or head_dims[kind]
                                         for kind in sorted(set(types)))

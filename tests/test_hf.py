@@ -156,6 +156,15 @@ def test_save_names_an_embedding_option_gemma_cannot_represent(
   assert not os.listdir(tmp_path)
 
 
+
+def test_save_names_image_spans_gemma3_cannot_represent(tmp_path):
+  """transformers' Gemma 3 lets an image's tokens see each other on every layer."""
+  config = gj.get_config("gemma3-tiny-vision")
+  config.model.bidirectional_span_types = ("local",)
+  with pytest.raises(gj.hf.CheckpointError, match="config.model.bidirectional_span_types"):
+    gj.hf.save(str(tmp_path / "out"), config, params={})
+  assert not os.listdir(tmp_path)
+
 @pytest.fixture(scope="module")
 def two_layers(tmp_path_factory):
   """(config, params) loaded from a tiny transformers Gemma 3 checkpoint."""
