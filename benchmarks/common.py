@@ -7,6 +7,7 @@ with `write_json`, so a README figure can always be traced to a run.
 import json
 import os
 import platform
+import resource
 import time
 from typing import Callable, Dict, List, Sequence
 
@@ -43,6 +44,14 @@ def alternating_medians(fns: Dict[str, Callable[[], object]], rounds: int) -> Di
       times[name].append(time.perf_counter() - t)
   return {name: float(np.median(ts)) for name, ts in times.items()}
 
+
+
+def minor_page_faults(fn: Callable[[], object]) -> int:
+  """Minor page faults of this process (pages mapped in on first touch) during one
+  fn(), which must block until its work is done."""
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  fn()
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 def machine() -> dict:
   """Where the numbers come from."""

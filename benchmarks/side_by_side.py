@@ -199,6 +199,7 @@ def run_shape(name: str) -> dict:
     result[who] = {
         "train_step_s": train[who], "train_tokens_per_s": b * t / train[who],
         "train_mfu": b * t / train[who] * flops_per_token / peak,
+        "train_step_minor_page_faults": common.minor_page_faults(calls[who].train_step),
         "forward_s": forward[who], "forward_tokens_per_s": b * t / forward[who],
         "forward_mfu": b * t / forward[who] * flops_per_token / 3 / peak,
         "greedy_s": greedy[who],
@@ -231,16 +232,17 @@ def main(argv):
         x = r[who]
         rows.append([r["shape"], who, x["train_tokens_per_s"], f"{x['train_mfu']:.1%}",
                      x["forward_tokens_per_s"], x["decode_tokens_per_s"],
-                     r["peak_flops"] / 1e9])
+                     r["peak_flops"] / 1e9, x["train_step_minor_page_faults"]])
     if "ratio_ours_over_theirs" in r:
       q = r["ratio_ours_over_theirs"]
       rows.append([r["shape"], "ours / theirs", f"{q['train_tokens_per_s']:.2f}x", "",
-                   f"{q['forward_tokens_per_s']:.2f}x", f"{q['decode_tokens_per_s']:.2f}x", ""])
+                   f"{q['forward_tokens_per_s']:.2f}x", f"{q['decode_tokens_per_s']:.2f}x", "",
+                   ""])
   common.print_table(
       f"batch {_BATCH.value} x {_SEQ.value} (train, forward); decode {_DECODE_BATCH.value} x "
       f"({_PROMPT.value} prompt + {_NEW.value} greedy); {_DTYPE.value}",
       ["shape", "who", "train tok/s", "train MFU", "forward tok/s", "decode tok/s",
-       "matmul peak GFLOP/s"], rows)
+       "matmul peak GFLOP/s", "page faults / train step"], rows)
   common.write_json(_OUT.value, {"dtype": _DTYPE.value, "keep_freed_host_memory": kept,
                                  "results": results})
 
