@@ -2,7 +2,8 @@ r"""gemma_jax against transformers' PyTorch Gemma 3 and Gemma 4, same weights, s
 
     python benchmarks/side_by_side.py                          # both shapes, table + JSON
     python benchmarks/side_by_side.py --shapes=gemma3 --batch_size=4 --seq_len=256
-    python benchmarks/side_by_side.py --torch=false --shapes=gemma3-1b --dtype=bfloat16
+    python benchmarks/side_by_side.py --torch=false --shapes=gemma3-1b --dtype=bfloat16 \
+        --attention_kernel=jax --batch_size=4 --seq_len=2048        # the GPU MFU run
 
 For each shape it builds our model, writes it with `gj.hf.save` and loads that directory
 into transformers (so both run the very same weights; the logits' max difference is
@@ -60,6 +61,8 @@ _NEW = flags.DEFINE_integer("new_tokens", 128, "Greedy tokens N decoded after th
 _ROUNDS = flags.DEFINE_integer("rounds", 5, "Timed rounds (ours, then theirs) per measurement.")
 _DTYPE = flags.DEFINE_string("dtype", "float32", "Compute dtype of ours (theirs: float32).")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Our remat policy.")
+_KERNEL = flags.DEFINE_string("attention_kernel", "einsum",
+                              "Our attention kernel: einsum, or jax (cuDNN's on a GPU).")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time transformers' PyTorch model.")
 _KEEP_FREED = flags.DEFINE_bool(
     "keep_freed_host_memory", True, "gemma_jax.host_memory.keep_freed_memory() first "
@@ -73,6 +76,7 @@ def model_config(name: str):
   config.model.update(shape)
   config.model.dtype = _DTYPE.value
   config.model.remat_policy = _REMAT.value
+  config.model.attention_kernel = _KERNEL.value
   config.optimizer.warmup_steps = 0
   return config
 
@@ -243,7 +247,8 @@ def main(argv):
       f"({_PROMPT.value} prompt + {_NEW.value} greedy); {_DTYPE.value}",
       ["shape", "who", "train tok/s", "train MFU", "forward tok/s", "decode tok/s",
        "matmul peak GFLOP/s", "page faults / train step"], rows)
-  common.write_json(_OUT.value, {"dtype": _DTYPE.value, "keep_freed_host_memory": kept,
+  common.write_json(_OUT.value, {"dtype": _DTYPE.value, "attention_kernel": _KERNEL.value,
+                                 "remat_policy": _REMAT.value, "keep_freed_host_memory": kept,
                                  "results": results})
 
 
