@@ -179,10 +179,10 @@ def _saved_embedding(path):
 
 @pytest.mark.parametrize("exchange", [True, False])
 def test_save_replaces_an_existing_checkpoint(tmp_path, monkeypatch, two_layers, exchange):
-  """With renameat2, one atomic swap (no rename that leaves `out` missing); without, two
-  renames. Either way the new checkpoint is in place and nothing else is left."""
-  if exchange and not sys.platform.startswith("linux"):
-    pytest.skip("renameat2 is Linux's")
+  """With renameat2 (Linux), one atomic swap (no rename that leaves `out` missing);
+  without it, or off Linux, two renames. Either way the new checkpoint is in place and
+  nothing else is left."""
+  swapped = exchange and sys.platform.startswith("linux")
   config, params = two_layers
   out = str(tmp_path / "out")
   gj.hf.save(out, config, params)
@@ -200,35 +200,36 @@ def test_save_replaces_an_existing_checkpoint(tmp_path, monkeypatch, two_layers,
   monkeypatch.setattr(gj.hf, "_exchange", maybe_exchange)
   monkeypatch.setattr(os, "rename", rename)
   gj.hf.save(out, config, jax.tree.map(lambda x: 2 * x, params))
-  assert swaps == [exchange]
-  assert len(renames) == (0 if exchange else 2)
+  assert swaps == [swapped]
+  assert len(renames) == (0 if swapped else 2)
   np.testing.assert_array_equal(_saved_embedding(out), 2 * params["embed"]["embedding"])
   assert os.listdir(tmp_path) == ["out"]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
 def test_save_syncs_the_new_checkpoint_before_the_swap(tmp_path, monkeypatch, two_layers):
-  """Both files and the staging directory reach the disk before they replace `out`."""
+  """Both files and the staging directory reach the disk before they replace `out`
+  (files identified by inode: the tensors are synced under a temporary name, then
+  renamed)."""
   config, params = two_layers
   out = str(tmp_path / "out")
   gj.hf.save(out, config, params)
-  synced, at_swap = [], []
+  synced, at_swap = set(), []
   real_fsync, real_exchange = os.fsync, gj.hf._exchange
+  inode = lambda stat: (stat.st_dev, stat.st_ino)
 
   def fsync(fd):
-    synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+    synced.add(inode(os.fstat(fd)))
     real_fsync(fd)
 
   def exchange(a, b):
-    at_swap.append((a, set(synced)))
+    wanted = [a] + [os.path.join(a, name) for name in ("config.json", "model.safetensors")]
+    at_swap.append({inode(os.stat(path)) for path in wanted} <= synced)
     return real_exchange(a, b)
 
   monkeypatch.setattr(os, "fsync", fsync)
   monkeypatch.setattr(gj.hf, "_exchange", exchange)
   gj.hf.save(out, config, params)
-  (staging, done), = at_swap
-  names = ("config.json", "model.safetensors.tmp")   # the tensors are synced, then renamed
-  assert {staging} | {os.path.join(staging, name) for name in names} <= done
+  assert at_swap == [True]
 
 
 def test_save_failing_while_writing_keeps_the_previous_checkpoint(tmp_path, monkeypatch,
