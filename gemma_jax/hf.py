@@ -341,17 +341,29 @@ def config_to_hf(config: config_dict.ConfigDict) -> dict:
 
 
 def _read_tensors(path: str) -> Dict[str, np.ndarray]:
+  """Every tensor of the checkpoint directory `path` (one file, or the shards its
+  index names); a missing, truncated or malformed file is a CheckpointError naming it."""
   index = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(index):
-    with open(index) as f:
-      files = sorted(set(json.load(f)["weight_map"].values()))
+    try:
+      with open(index) as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+      raise CheckpointError(f"{index}: not an index with a weight_map of tensor names to "
+                            f"files ({type(error).__name__}: {error})") from None
   else:
     files = [name for name in sorted(os.listdir(path)) if name.endswith(".safetensors")]
   if not files:
     raise CheckpointError(f"{path}: no .safetensors files")
   tensors = {}
   for name in files:
-    tensors.update(safetensors_io.read(os.path.join(path, name)))
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+      raise CheckpointError(f"{index}: names {name}, which is not in {path}")
+    try:
+      tensors.update(safetensors_io.read(file))
+    except ValueError as error:
+      raise CheckpointError(str(error)) from None
   return tensors
 
 

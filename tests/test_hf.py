@@ -128,6 +128,30 @@ def test_bad_checkpoint_names_offending_tensors(tmp_path, edit, message):
     gj.hf.load(str(tmp_path))
 
 
+def _truncate_weights(path):
+  file = os.path.join(path, "model.safetensors")
+  os.truncate(file, os.path.getsize(file) - 100)
+
+
+def _write_index(path, text):
+  with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+    f.write(text)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_truncate_weights, r"model\.safetensors: tensor .* the file is truncated"),
+    (lambda p: _write_index(p, '{"weight_map": {"lm.weight": "model-00002.safetensors"}}'),
+     r"names model-00002\.safetensors, which is not in"),
+    (lambda p: _write_index(p, '{"metadata": {}}'), r"index\.json: not an index"),
+    (lambda p: _write_index(p, "{not json"), r"index\.json: not an index"),
+], ids=["truncated", "missing_shard", "no_weight_map", "bad_json"])
+def test_unreadable_weights_are_a_checkpoint_error_naming_the_file(tmp_path, damage, message):
+  random_model(0, num_hidden_layers=2, num_key_value_heads=2).save_pretrained(str(tmp_path))
+  damage(str(tmp_path))
+  with pytest.raises(gj.hf.CheckpointError, match=message):
+    gj.hf.load(str(tmp_path))
+
+
 def test_unsupported_config_is_named(tmp_path):
   random_model(0, num_hidden_layers=2, num_key_value_heads=2).save_pretrained(str(tmp_path))
   with open(tmp_path / "config.json") as f:
