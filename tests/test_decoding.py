@@ -198,3 +198,30 @@ def test_prompts_with_images_decode_like_the_full_forward():
   with pytest.raises(ValueError, match="span 0 holds 1 image_token_id ids"):
     dec.prefill(params, jnp.asarray(padded[:, :3]), jnp.asarray([3, 3]), cache_length=width,
                 images=images)
+
+
+def test_global_layers_past_cache_length_attend_to_the_last_cache_length_tokens():
+  """Decoding past `cache_length` S: a global layer's ring keeps the last S keys, so with
+  S equal to the window and one RoPE for both types, every layer acts as a local one. The
+  reference is the full forward of the same weights with every layer local."""
+  config = tiny("gemma3")
+  config.model.update(scan_layers=False, rope_global_base=config.model.rope_local_base)
+  all_local = tiny("gemma3")
+  all_local.model.update(scan_layers=False, rope_global_base=config.model.rope_local_base,
+                         attention_pattern=("local",))
+  params = random_params(config)
+  lengths, steps = np.array([3, 2]), 7
+  seq = np.random.RandomState(1).randint(0, 97, (2, 3 + steps)).astype(np.int32)
+  real = np.arange(seq.shape[1])[None] < (lengths[:, None] + steps)
+  full = np.asarray(gj.transform(all_local).apply(params, jnp.asarray(seq * real),
+                                                  segment_ids=jnp.asarray(real, jnp.int32)))
+  dec = decoding.make_decoding(config)
+  prompts = np.where(np.arange(3)[None] < lengths[:, None], seq[:, :3], 0)
+  prefilled = dec.prefill(params, jnp.asarray(prompts), jnp.asarray(lengths),
+                          cache_length=WINDOW)
+  got, want, _ = decode_along(dec, params, prefilled, seq, lengths, full, steps)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+  # The global layers' own reference (whole context) differs once they wrap.
+  whole = np.asarray(gj.transform(config).apply(params, jnp.asarray(seq * real),
+                                                segment_ids=jnp.asarray(real, jnp.int32)))
+  assert np.abs(np.asarray(got[-1]) - whole[[0, 1], lengths + steps - 1]).max() > 1e-3

@@ -67,8 +67,9 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
   """Continues right-padded prompts [B, P] of `lengths` [B] tokens: [B, N] int32.
 
   Row b holds its new tokens up to and including its first id in `eos_ids` [E] (E may
-  be 0), then `pad_id`. The caches cover `cache_length` >= max(lengths) + N - 1
-  positions. Options as in `choose`; `rng` is split once per step. `images` [B, I, S,
+  be 0), then `pad_id`. The caches cover `cache_length` positions: with fewer than
+  max(lengths) + N - 1, global layers forget their oldest keys as in `prefill` (`Sampler`
+  always sizes them to fit). Options as in `choose`; `rng` is split once per step. `images` [B, I, S,
   S, C] fill the prompts' image placeholder spans (a model with vision).
   """
   logits, cache = decoding.prefill(params, prompts, lengths, cache_length=cache_length,
