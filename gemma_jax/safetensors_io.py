@@ -28,7 +28,8 @@ def _entry(path: str, name: str, entry, data_size: int) -> Tuple[np.dtype, list,
   """One tensor's header entry -> (dtype, shape, start, end), checked against the data."""
   try:
     kind, shape, (start, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-    valid = all(isinstance(v, int) and v >= 0 for v in [*shape, start, end]) and start <= end
+    valid = (isinstance(kind, str) and start <= end
+             and all(type(v) is int and v >= 0 for v in [*shape, start, end]))
   except (KeyError, TypeError, ValueError):
     valid = False
   if not valid:

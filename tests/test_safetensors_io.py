@@ -57,7 +57,11 @@ def test_file_that_is_not_safetensors_is_named(tmp_path, content):
     (dict(dtype="F32", shape=[2, 2], data_offsets=[-4, 12]), r"tensor w: malformed header entry"),
     (dict(dtype="F32", shape=[2, 2]), r"tensor w: malformed header entry"),
     (dict(dtype="C64", shape=[2], data_offsets=[0, 16]), r"tensor w has unsupported dtype C64"),
-], ids=["short_range", "past_the_end", "reversed", "negative", "no_offsets", "dtype"])
+    (dict(dtype=["F32"], shape=[4], data_offsets=[0, 16]), r"tensor w: malformed header entry"),
+    (dict(dtype="F32", shape=[True, 4], data_offsets=[0, 16]),
+     r"tensor w: malformed header entry"),
+], ids=["short_range", "past_the_end", "reversed", "negative", "no_offsets", "dtype",
+        "dtype_list", "bool_dim"])
 def test_wrong_header_entry_names_the_tensor(tmp_path, entry, message):
   path = _raw_file(tmp_path / "bad.safetensors", {"w": entry}, np.ones(4, np.float32).tobytes())
   assert re.search(message, _read_error(path))
