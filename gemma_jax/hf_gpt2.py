@@ -21,6 +21,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import presets
+from gemma_jax.decoder import layer_types
 from gemma_jax.hf import CheckpointError
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
@@ -92,6 +93,9 @@ def config_to_hf(config: config_dict.ConfigDict) -> dict:
     if m[field] != value:
       raise CheckpointError(f"config.model.{field}: GPT2LMHeadModel needs {value!r}, got "
                             f"{m[field]!r}")
+  if "local" in layer_types(m):
+    raise CheckpointError(f"config.model.attention_pattern: GPT2LMHeadModel attends "
+                          f"globally on every layer, got {tuple(m.attention_pattern)!r}")
   if not m.trainable_position_size:
     raise CheckpointError("config.model.trainable_position_size: GPT2LMHeadModel needs "
                           "learned positions")

@@ -189,6 +189,17 @@ def test_save_names_image_spans_gemma3_cannot_represent(tmp_path):
     gj.hf.save(str(tmp_path / "out"), config, params={})
   assert not os.listdir(tmp_path)
 
+def test_save_refuses_gpt2_with_sliding_window_layers(tmp_path):
+  """GPT2LMHeadModel attends globally on every layer: a local layer is refused before
+  anything is written."""
+  config = gj.get_config("gpt3-52k")
+  config.model.update(num_layers=2, attention_pattern=("local", "global"), sliding_window=4)
+  params = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  with pytest.raises(gj.hf.CheckpointError, match="config.model.attention_pattern"):
+    gj.hf.save(str(tmp_path / "out"), config, params)
+  assert not os.listdir(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def two_layers(tmp_path_factory):
   """(config, params) loaded from a tiny transformers Gemma 3 checkpoint."""
