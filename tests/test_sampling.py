@@ -1,6 +1,8 @@
 """Sampling: greedy generation against transformers, per-row stops, seeds, and top-k /
 top-p on a distribution built to tell them apart."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +137,51 @@ def test_sampler_refuses_new_tokens_past_the_learned_positions():
   with pytest.raises(ValueError, match=r"max_new_tokens=14 after a 4-token prompt needs "
                      r"positions up to 16, .*config.model.trainable_position_size=16\)"):
     sample(["abc"], max_new_tokens=14)
+
+
+class MarkerTokenizer(tokenizers.ByteTokenizer):
+  """Bytes, with "<img>" as the start-of-image id and "<soft>" as an image soft token."""
+
+  def __init__(self, vision):
+    self.special = {"<img>": vision.boi_token_id, "<soft>": vision.image_token_id}
+
+  def encode(self, texts):
+    out = []
+    for text in texts:
+      ids = []
+      for piece in re.split(r"(<img>|<soft>)", text):
+        ids += [self.special[piece]] if piece in self.special else list(
+            super().encode([piece])[0])
+      out.append(np.asarray(ids, np.int32))
+    return out
+
+
+@pytest.mark.parametrize("prompts, images, message", [
+    (["<img>a<img>b"], [["x"]], r"prompt 0 holds 2 start-of-image markers .* but 1 images"),
+    (["<img>a"], [["x", "x"]], r"prompt 0 holds 1 start-of-image markers .* but 2 images"),
+    (["a", "<img>b"], [["x"], []], r"prompt 1 holds 1 start-of-image markers .* but 0 images"),
+    (["<soft>a"], [["x"]], r"tokens row 0 holds 2 image placeholder spans but 1 images"),
+])
+def test_sampler_refuses_images_that_do_not_match_the_markers(prompts, images, message):
+  """Each image fills one marker: extra images, extra markers, a marker without images or
+  a stray soft token are errors, not silently dropped images or padding pixels."""
+  config = gj.get_config("gemma3-tiny-vision")
+  config.model.num_layers = 1
+  config.model.attention_pattern = ("global",)
+  v = config.model.vision
+  params = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  picture = np.zeros((v.image_size, v.image_size, 3), np.uint8)
+  images = [[picture for _ in row] for row in images]
+  sample = sampler.Sampler(config, params, MarkerTokenizer(v)).sample
+  with pytest.raises(ValueError, match=message):
+    sample(prompts, max_new_tokens=2, images=images)
+
+
+def test_top_k_past_the_vocabulary_is_named():
+  with pytest.raises(ValueError, match=r"top_k=11 exceeds the vocabulary of 10 tokens"):
+    sampler.choose(jnp.asarray(built_logits(1)), jax.random.key(0), temperature=1.0, top_k=11)
+  config = gj.get_config("gpt3-52k")
+  params = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  sample = sampler.Sampler(config, params, tokenizers.ByteTokenizer()).sample
+  with pytest.raises(ValueError, match=rf"top_k={config.model.vocab_size + 1} exceeds"):
+    sample(["abc"], max_new_tokens=2, temperature=1.0, top_k=config.model.vocab_size + 1)

@@ -21,14 +21,19 @@ from ml_collections import config_dict
 
 from gemma_jax import image_inputs
 from gemma_jax.inference import decoding as decoding_lib
+from gemma_jax.models import vision
 
 
-def check_options(temperature: float, top_k: int, top_p: float) -> None:
-  """Raises ValueError naming the first sampling option out of range."""
+def check_options(temperature: float, top_k: int, top_p: float,
+                  vocab_size: Optional[int] = None) -> None:
+  """Raises ValueError naming the first sampling option out of range (top_k against
+  `vocab_size` when given)."""
   if not temperature >= 0:
     raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
   if not (isinstance(top_k, int) and top_k >= 0):
     raise ValueError(f"top_k must be an integer >= 0 (0: all tokens), got {top_k!r}")
+  if vocab_size is not None and top_k > vocab_size:
+    raise ValueError(f"top_k={top_k} exceeds the vocabulary of {vocab_size} tokens")
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p must lie in (0, 1] (1: all tokens), got {top_p}")
 
@@ -41,6 +46,7 @@ def choose(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int 
   restricted to the top_k likeliest tokens (0: all), then to the smallest set of the
   likeliest whose probability reaches top_p (1: all), in that order.
   """
+  check_options(temperature, top_k, top_p, vocab_size=logits.shape[-1])
   if temperature == 0:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   logits = logits.astype(jnp.float32) / temperature
@@ -138,10 +144,10 @@ class Sampler:
     """Continues each prompt by up to `max_new_tokens` tokens; options as in `choose`.
 
     images: per prompt, its images (files, PIL images or arrays; a model with vision).
-      Each fills the prompt's next start-of-image marker; a prompt without markers gets
-      one per image in front of its text.
+      Each fills the prompt's next start-of-image marker (a prompt holds as many markers
+      as images); a prompt without markers gets one per image in front of its text.
     """
-    check_options(temperature, top_k, top_p)
+    check_options(temperature, top_k, top_p, vocab_size=self.config.model.vocab_size)
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
       raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     t = self.tokenizer
@@ -160,6 +166,7 @@ class Sampler:
                        f"needs positions up to {cache_length - 1}, past the learned position "
                        f"table [0, config.model.trainable_position_size={table})")
     decoding_lib.check_prompts(tokens, lengths, cache_length, self.config.model.vocab_size)
+    vision.check_image_inputs(tokens, pixels, self.config.model.vision)   # ids concrete here
     static = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
                   top_p=float(top_p), pad_id=t.pad_id, cache_length=cache_length,
                   cache_dtype=self.cache_dtype)
@@ -177,7 +184,8 @@ class Sampler:
 
   def _with_images(self, rows: list, images: Sequence[Sequence]):
     """Prompt ids [BOS, ...] per row, images per row -> (rows with each start-of-image
-    marker expanded into its placeholder span, pixels [B, I, S, S, C] padded with zeros)."""
+    marker expanded into its placeholder span, pixels [B, I, S, S, C] padded with zeros).
+    A row's markers must match its images one to one (or be absent: then inserted)."""
     v = self.config.model.vision
     if not v.enabled:
       raise ValueError("images were given to a model without vision "
@@ -186,9 +194,14 @@ class Sampler:
       raise ValueError(f"images must hold one list per prompt: {len(rows)} prompts, got "
                        f"{len(images)} lists")
     expanded = []
-    for row, row_images in zip(rows, images):
-      if row_images and v.boi_token_id not in row:
+    for b, (row, row_images) in enumerate(zip(rows, images)):
+      markers = int(np.sum(row == v.boi_token_id))
+      if row_images and not markers:
         row = np.concatenate([row[:1], [v.boi_token_id] * len(row_images), row[1:]])
+      elif markers != len(row_images):
+        raise ValueError(f"prompt {b} holds {markers} start-of-image markers "
+                         f"(boi_token_id={v.boi_token_id}) but {len(row_images)} images were "
+                         "given for it")
       expanded.append(np.asarray(image_inputs.insert_image_placeholders(
           row, boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id,
           image_token_id=v.image_token_id, tokens_per_image=v.tokens_per_image,
