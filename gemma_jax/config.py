@@ -388,8 +388,11 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
   o = config.optimizer
   number("optimizer.learning_rate", "(0, inf)")
   integer("optimizer.warmup_steps", 0)
+  integer("train.steps", 1)
+  if o.decay_steps is not None:
+    integer("optimizer.decay_steps", 1)
   horizon_field = "optimizer.decay_steps" if o.decay_steps is not None else "train.steps"
-  need((o.decay_steps or config.train.steps) > o.warmup_steps, horizon_field,
+  need(value(horizon_field) > o.warmup_steps, horizon_field,
        f"must exceed optimizer.warmup_steps={o.warmup_steps}, got {value(horizon_field)}")
   number("optimizer.end_learning_rate_ratio", "[0, 1]")
   number("optimizer.b1", "[0, 1)")
@@ -404,7 +407,6 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
       raise ConfigError("optimizer.no_decay", f"{pattern!r} is not a regex: {error}") from None
   integer("optimizer.grad_accum_steps", 1)
 
-  integer("train.steps", 1)
   integer("train.batch_size", 1)
   need(config.train.batch_size % o.grad_accum_steps == 0, "optimizer.grad_accum_steps",
        f"does not divide train.batch_size={config.train.batch_size}, got {o.grad_accum_steps}")

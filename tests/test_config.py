@@ -98,3 +98,18 @@ def test_end_of_training_sample_must_fit_the_learned_positions():
   config.model.trainable_position_size = 0   # no table: nothing to run past
   config.sample.max_new_tokens = 10_000
   config_lib.check_sample_fits(config, 5)
+
+
+TRAINING_INVALID = [
+    ("optimizer", "decay_steps", 0, "optimizer.decay_steps", ">= 1, got 0"),
+    ("optimizer", "decay_steps", -5, "optimizer.decay_steps", ">= 1, got -5"),
+]
+
+
+@pytest.mark.parametrize("section,field,value,name,message", TRAINING_INVALID)
+def test_invalid_training_config_names_its_field(section, field, value, name, message):
+  config = gj.get_config("gemma3-tiny")
+  config[section][field] = value
+  with pytest.raises(config_lib.ConfigError, match=message) as error:
+    gj.validate(config)
+  assert error.value.field == name

@@ -13,7 +13,7 @@ def learning_rate_schedule(config: config_dict.ConfigDict, total_steps: int) -> 
   learning_rate * end_learning_rate_ratio at decay_steps (default: total_steps)."""
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
-      decay_steps=config.decay_steps or total_steps,
+      decay_steps=total_steps if config.decay_steps is None else config.decay_steps,
       end_value=config.learning_rate * config.end_learning_rate_ratio)
 
 
