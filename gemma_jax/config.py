@@ -431,6 +431,8 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
   integer("sample.max_new_tokens", 0)
   number("sample.temperature", "[0, inf)")
   integer("sample.top_k", 0)
+  need(config.sample.top_k <= config.model.vocab_size, "sample.top_k",
+       f"exceeds model.vocab_size={config.model.vocab_size}, got {config.sample.top_k}")
   number("sample.top_p", "(0, 1]")
 
 

@@ -103,6 +103,7 @@ def test_end_of_training_sample_must_fit_the_learned_positions():
 TRAINING_INVALID = [
     ("optimizer", "decay_steps", 0, "optimizer.decay_steps", ">= 1, got 0"),
     ("optimizer", "decay_steps", -5, "optimizer.decay_steps", ">= 1, got -5"),
+    ("sample", "top_k", 513, "sample.top_k", "exceeds model.vocab_size=512, got 513"),
 ]
 
 

@@ -297,6 +297,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
     ("model", "vocab_size", 100, "data.tokenizer", "259 ids does not fit"),
     ("checkpoint", "keep", 0, "checkpoint.keep", ">= 1"),
     ("sample", "temperature", -1.0, "sample.temperature", r"\[0, inf\)"),
+    ("sample", "top_k", 261, "sample.top_k", "exceeds model.vocab_size=260"),
 ])
 def test_bad_config_or_data_fails_before_building_the_model(corpus, tmp_path, monkeypatch,
                                                             section, field, value, name, message):
