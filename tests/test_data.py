@@ -48,20 +48,39 @@ def test_byte_tokenizer_round_trips_unicode():
   assert tok.decode([tok.bos_id, *tok.encode(["ok"])[0], tok.eos_id, tok.pad_id]) == "ok"
 
 
-def test_sentencepiece_model_by_path(tmp_path):
-  corpus = tmp_path / "corpus.txt"
+def train_sentencepiece(directory, **special_ids):
+  """A 200-piece SentencePiece model of textwrap's source; its path."""
+  corpus = directory / "corpus.txt"
   corpus.write_text(inspect.getsource(textwrap), encoding="utf-8")
   sentencepiece.SentencePieceTrainer.train(
-      input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=200,
-      pad_id=0, eos_id=1, bos_id=2, unk_id=3, minloglevel=2)  # Gemma's special ids
-  tok = tokenizers.get_tokenizer(str(tmp_path / "sp.model"), model_vocab_size=256)
+      input=str(corpus), model_prefix=str(directory / "sp"), vocab_size=200, minloglevel=2,
+      **special_ids)
+  return str(directory / "sp.model")
+
+
+def test_sentencepiece_model_by_path(tmp_path):
+  path = train_sentencepiece(tmp_path, pad_id=0, eos_id=1, bos_id=2, unk_id=3)  # Gemma's ids
+  tok = tokenizers.get_tokenizer(path, model_vocab_size=256)
   assert isinstance(tok, tokenizers.SentencePieceTokenizer)
   assert (tok.vocab_size, tok.pad_id, tok.eos_id, tok.bos_id) == (200, 0, 1, 2)
   ids = tok.encode(["def f(x):"])[0]
   assert ids.dtype == np.int32 and tok.decode(ids) == "def f(x):"
   with pytest.raises(gj.ConfigError, match="vocabulary of 200 ids does not fit") as error:
-    tokenizers.get_tokenizer(str(tmp_path / "sp.model"), model_vocab_size=199)
+    tokenizers.get_tokenizer(path, model_vocab_size=199)
   assert error.value.field == "data.tokenizer"
+
+
+@pytest.mark.parametrize("special_ids,missing", [
+    (dict(pad_id=0, eos_id=1, bos_id=-1, unk_id=2), r"no BOS piece \(bos_id=-1\)"),
+    (dict(pad_id=0, eos_id=-1, bos_id=1, unk_id=2), r"no EOS piece \(eos_id=-1\)"),
+])
+def test_sentencepiece_model_without_bos_or_eos_is_a_config_error(tmp_path, special_ids,
+                                                                  missing):
+  """Packing writes [bos] doc [eos]: an id of -1 would be trained on."""
+  path = train_sentencepiece(tmp_path, **special_ids)
+  with pytest.raises(gj.ConfigError, match=missing) as error:
+    tokenizers.get_tokenizer(path, model_vocab_size=256)
+  assert error.value.field == "data.tokenizer" and path in str(error.value)
 
 
 def test_tokenizer_errors_name_the_field(tmp_path):

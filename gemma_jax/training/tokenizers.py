@@ -54,7 +54,8 @@ def get_tokenizer(name: str, model_vocab_size: int):
 
   Raises:
     ConfigError (field data.tokenizer): no such model file, a directory, a file that
-      is not a SentencePiece model, or a vocabulary larger than `model_vocab_size`.
+      is not a SentencePiece model, a model without a BOS or EOS id, or a vocabulary
+      larger than `model_vocab_size`.
   """
   if name == "byte":
     tokenizer = ByteTokenizer()
@@ -68,6 +69,10 @@ def get_tokenizer(name: str, model_vocab_size: int):
       # sentencepiece raises RuntimeError for a file it cannot parse (or an empty one).
       raise ConfigError("data.tokenizer", f"{name!r} is not a SentencePiece model file "
                         f"({error})") from None
+    for piece, piece_id in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)):
+      if piece_id < 0:
+        raise ConfigError("data.tokenizer", f"{name!r} has no {piece.upper()} piece "
+                          f"({piece}_id={piece_id}); training packs [bos] doc [eos]")
   else:
     raise ConfigError("data.tokenizer",
                       f"no file at {name!r} (expected 'byte' or a SentencePiece model path)")
