@@ -42,6 +42,15 @@ _HF_ATTENTION_TYPES = {v: k for k, v in _ATTENTION_TYPES.items()}
 _FAMILIES = {"gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
              "gemma4_text": ("gemma4", "Gemma4ForCausalLM")}
 _MULTIMODAL = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
+# What transformers' Gemma3TextConfig reads for a key its config.json leaves out: its
+# defaults in ~4.50, which wrote the published 4B/12B/27B configs (transformers 5 keeps
+# the same two rope bases as default rope_parameters).
+_GEMMA3_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh", "rms_norm_eps": 1e-6,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0}
 
 
 class _Tensor(NamedTuple):
@@ -112,21 +121,36 @@ def _hf_tensor(path: Tuple[str, ...]) -> _Tensor:
 # ----------------------------------------------------------------------------- configs
 
 
-def _text_config(hf: dict) -> dict:
+class _Section(dict):
+  """Keys of a config.json section named `where`; a missing one is a CheckpointError."""
+
+  def __init__(self, keys: dict, where: str):
+    super().__init__(keys)
+    self.where = where
+
+  def __missing__(self, key):
+    raise CheckpointError(f"config.json: {self.where}{key} is missing and has no default")
+
+
+def _text_config(hf: dict) -> _Section:
+  """The text model's config keys (with its model_type), Gemma 3's defaults filled in."""
   model_type = hf.get("model_type")
+  text, where = hf, ""
   if model_type in _MULTIMODAL:
-    return hf["text_config"]
+    text, where = hf.get("text_config") or {}, "text_config."
+    model_type = text.get("model_type", _MULTIMODAL[model_type])
   if model_type not in _FAMILIES:
-    raise CheckpointError(f"unsupported model_type {model_type!r}: this reader knows "
-                          f"{sorted(_FAMILIES) + sorted(_MULTIMODAL)}")
-  return hf
+    raise CheckpointError(f"config.json: unsupported {where}model_type {model_type!r}: this "
+                          f"reader knows {sorted(_FAMILIES) + sorted(_MULTIMODAL)}")
+  defaults = _GEMMA3_DEFAULTS if model_type == "gemma3_text" else {}
+  return _Section({**defaults, **text, "model_type": model_type}, where)
 
 
 def _rope(text: dict, layer_type: str, legacy_theta: str) -> Tuple[float, float, float]:
   """(base, linear scale, rotated fraction) of one layer type, from either config generation."""
   params = (text.get("rope_parameters") or {}).get(layer_type)
   if params is None:  # transformers 4: rope_theta / rope_local_base_freq / rope_scaling
-    params = {"rope_theta": text[legacy_theta], "rope_type": "default"}
+    params = {"rope_type": "default"}
     if layer_type == "full_attention" and text.get("rope_scaling"):
       params.update(text["rope_scaling"])
   kind = params.get("rope_type", params.get("type", "default"))
@@ -134,7 +158,8 @@ def _rope(text: dict, layer_type: str, legacy_theta: str) -> Tuple[float, float,
     raise CheckpointError(f"rope_parameters[{layer_type}]: unsupported rope_type {kind!r}")
   scale = float(params.get("factor", 1.0)) if kind != "default" else 1.0
   fraction = float(params.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0
-  return float(params["rope_theta"]), scale, fraction
+  base = params["rope_theta"] if "rope_theta" in params else text[legacy_theta]
+  return float(base), scale, fraction
 
 
 def _pattern(kinds, last_exempt: bool = False) -> Tuple[str, ...]:
@@ -192,7 +217,7 @@ def _gemma4_fields(text: dict, kinds) -> dict:
 def config_from_hf(hf: dict) -> config_dict.ConfigDict:
   """A transformers config.json (as a dict) -> our full config."""
   text = _text_config(hf)
-  block_type = _FAMILIES[text.get("model_type", _MULTIMODAL.get(hf["model_type"]))][0]
+  block_type = _FAMILIES[text["model_type"]][0]
   for field, ok in (("attention_bias", False),) + (
       (("use_bidirectional_attention", False),) if block_type == "gemma3" else ()):
     if text.get(field, ok) != ok:

@@ -15,6 +15,7 @@ from safetensors import torch as st_torch
 
 import gemma_jax as gj
 from gemma_jax import safetensors_io
+from gemma_jax.decoder import layer_types
 import torch_reference
 from torch_reference import torch_logits
 
@@ -161,6 +162,56 @@ def test_unsupported_config_is_named(tmp_path):
     json.dump(config, f)
   with pytest.raises(gj.hf.CheckpointError, match="model_type 'llama'"):
     gj.hf.load(str(tmp_path))
+
+
+# The text_config of google/gemma-3-{4b,12b,27b}-it's config.json (written by transformers
+# 4.50): it leaves out every key that has Gemma3TextConfig's default.
+_PUBLISHED_TEXT_CONFIGS = {
+    "4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34),
+    "12b": dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                num_attention_heads=16, num_key_value_heads=8),
+    "27b": dict(head_dim=128, hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                num_attention_heads=32, num_key_value_heads=16, query_pre_attn_scalar=168),
+}
+
+
+@pytest.mark.parametrize("size", sorted(_PUBLISHED_TEXT_CONFIGS))
+def test_published_gemma3_config_reads_as_transformers_reads_it(size):
+  hf = {
+      "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+      "boi_token_index": 255999, "eoi_token_index": 256000, "eos_token_id": [1, 106],
+      "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+      "text_config": dict(_PUBLISHED_TEXT_CONFIGS[size], model_type="gemma3_text",
+                          rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                          sliding_window=1024),
+      "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+      "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                        "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                        "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}}
+  m = gj.validate(gj.hf.config_from_hf(json.loads(json.dumps(hf)))).model
+  t = transformers.Gemma3Config(**hf).text_config
+  rope = t.rope_parameters
+  assert t.hidden_activation == "gelu_pytorch_tanh" and m.activation == "gelu_tanh"
+  assert t.final_logit_softcapping is None and m.final_logit_softcap is None
+  assert layer_types(m) == tuple("global" if kind == "full_attention" else "local"
+                                    for kind in t.layer_types)
+  ours = (m.vocab_size, m.d_model, m.mlp_dim, m.num_layers, m.num_heads, m.num_kv_heads,
+          m.head_dim, m.query_pre_attn_scalar, m.sliding_window, m.norm_eps,
+          m.rope_local_base, m.rope_local_scale, m.rope_global_base, m.rope_global_scale)
+  theirs = (t.vocab_size, t.hidden_size, t.intermediate_size, t.num_hidden_layers,
+            t.num_attention_heads, t.num_key_value_heads, t.head_dim,
+            t.query_pre_attn_scalar, t.sliding_window, t.rms_norm_eps,
+            rope["sliding_attention"]["rope_theta"], 1.0,
+            rope["full_attention"]["rope_theta"], rope["full_attention"]["factor"])
+  assert ours == theirs
+
+
+def test_config_key_without_a_default_is_named():
+  hf = gj.hf.config_to_hf(gj.get_config("gemma4-tiny"))
+  del hf["num_attention_heads"]
+  with pytest.raises(gj.hf.CheckpointError,
+                     match="config.json: num_attention_heads is missing and has no default"):
+    gj.hf.config_from_hf(hf)
 
 
 @pytest.mark.parametrize("preset,architecture", [("gemma3-tiny", "Gemma3ForCausalLM"),
