@@ -126,10 +126,19 @@ def test_text_and_jsonl_documents_by_glob(tmp_path):
     ({"a.txt": "", "b.txt": "  \n"}, "*.txt", "data.path", "hold no text"),
     ({"a.jsonl": '{"body": "x"}\n'}, "*.jsonl", "data.text_field", "a.jsonl:1"),
     ({"a.jsonl": "not json\n"}, "*.jsonl", "data.text_field", "'text' string"),
+    ({"a.jsonl": '{"text": "x"}\n{"text": 3}\n'}, "*.jsonl", "data.text_field",
+     r"a.jsonl:2 is not a JSON object with a 'text' string"),
+    ({"a.jsonl": '{"text": "x"}\n\n{"text": null}\n'}, "*.jsonl", "data.text_field",
+     "a.jsonl:3 is not"),
+    ({"a.jsonl": b'{"text": "x"}\n{"text": "caf\xe9"}\n'}, "*.jsonl", "data.path",
+     r"a.jsonl:2 is not UTF-8 \(.* byte 0xe9 in position 13"),
 ])
 def test_missing_or_empty_data_names_the_field(tmp_path, files, path, field, message):
   for name, text in files.items():
-    (tmp_path / name).write_text(text)
+    if isinstance(text, bytes):
+      (tmp_path / name).write_bytes(text)
+    else:
+      (tmp_path / name).write_text(text)
   with pytest.raises(data.DataError, match=message) as error:
     data.read_documents(str(tmp_path / path))
   assert error.value.field == field

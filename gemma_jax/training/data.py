@@ -61,23 +61,31 @@ def _read_text(filename: str) -> str:
 
 def _read_jsonl(filename: str, text_field: str) -> List[str]:
   texts = []
-  with open(filename, encoding="utf-8") as f:
-    for line_number, line in enumerate(f, 1):
+  with open(filename, "rb") as f:
+    for line_number, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as error:
+        raise DataError("data.path", f"{filename}:{line_number} is not UTF-8 ({error})") from None
       if not line.strip():
         continue
       try:
-        texts.append(json.loads(line)[text_field])
+        text = json.loads(line)[text_field]
       except (json.JSONDecodeError, KeyError, TypeError):
+        text = None
+      if not isinstance(text, str):
         raise DataError("data.text_field", f"{filename}:{line_number} is not a JSON object "
-                        f"with a {text_field!r} string") from None
+                        f"with a {text_field!r} string")
+      texts.append(text)
   return texts
 
 
 def read_documents(path: Optional[str], text_field: str = "text") -> List[str]:
   """The non-empty documents of `path` (comma-separated globs; None: the stdlib source).
 
-  A .jsonl file holds one document per line (its `text_field`); any other file is one
-  document.
+  A .jsonl file holds one document per line (its `text_field`, a string; a line that is
+  not UTF-8 is an error); any other file is one document, its invalid UTF-8 replaced
+  (the standard library holds a few Latin-1 files).
   """
   if path is None:
     files = stdlib_files()
