@@ -1,12 +1,16 @@
 r"""Plans per-device memory of a training step without allocating anything.
 
     python experiments/plan.py --config=configs/gemma3_1b.py --preset=gemma3-27b \
-        --devices=256 --mesh=fsdp
-    python experiments/plan.py --config=configs/gemma3_1b.py --devices=256 \
-        --config.mesh.data=1 --config.mesh.fsdp=64 --config.mesh.tensor=4
+        --devices=256 --mesh=fsdp --config.train.batch_size=256 \
+        --config.optimizer.grad_accum_steps=1
+    python experiments/plan.py --config=configs/gemma3_1b.py --preset=gemma3-27b \
+        --devices=256 --config.mesh.data=1 --config.mesh.fsdp=64 --config.mesh.tensor=4 \
+        --config.train.batch_size=512 --config.optimizer.grad_accum_steps=8
 
 --preset swaps in a named model's architecture (e.g. gemma3-27b), keeping the rest of the
-config (dtype, remat policy, batch, sequence length).
+config (dtype, remat policy, batch, sequence length) and any --config.model.* flags
+given, which apply on top of the preset. The micro-batch (batch_size / grad_accum_steps
+rows) must split over the mesh's data, fsdp and expert axes.
 Prints a table and, with --json, writes the figures there. With --cache_length it also
 plans the decoding caches (all devices together) against a full-length cache on every
 layer:
@@ -28,28 +32,49 @@ from gemma_jax import planning, sharding
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
 _PRESET = flags.DEFINE_string("preset", None, "Model preset replacing config.model.")
-_DEVICES = flags.DEFINE_integer("devices", 1, "Devices in the planned mesh.")
+_DEVICES = flags.DEFINE_integer("devices", 1, "Devices in the planned mesh.", lower_bound=1)
 _MESH = flags.DEFINE_enum("mesh", None, sorted(sharding.MESH_PRESETS),
                           "Named mesh shape replacing config.mesh.")
 _JSON = flags.DEFINE_string("json", None, "Also write the plan to this JSON file.")
 _CACHE_LENGTH = flags.DEFINE_integer("cache_length", 0, "Also plan decoding caches covering "
-                                     "this many positions; 0: do not.")
-_CACHE_BATCH = flags.DEFINE_integer("cache_batch", 1, "Rows of the planned decoding caches.")
+                                     "this many positions; 0: do not.", lower_bound=0)
+_CACHE_BATCH = flags.DEFINE_integer("cache_batch", 1, "Rows of the planned decoding caches.",
+                                    lower_bound=1)
 _CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "bfloat16", list(gj.config.DTYPES),
                                  "Dtype of the planned caches.")
 flags.mark_flags_as_required(["config"])
 
 GIB = 2 ** 30
+MODEL_FLAG = "config.model."
+
+
+def model_overrides() -> dict:
+  """The --config.model.* flags given: {path under config.model, dotted: value}."""
+  return {name[len(MODEL_FLAG):]: flags.FLAGS[name].value for name in flags.FLAGS
+          if name.startswith(MODEL_FLAG) and flags.FLAGS[name].present}
+
+
+def use_preset(model, name: str) -> None:
+  """Replaces `model`'s architecture by preset `name`'s, keeping its compute choices and
+  the --config.model.* flags given."""
+  overrides = model_overrides()
+  keep = {k: model[k] for k in ("dtype", "param_dtype", "remat_policy", "scan_layers")}
+  for key, value in gj.get_config(name).model.items():
+    model[key] = keep.get(key, value)
+  for path, value in overrides.items():
+    *parents, leaf = path.split(".")
+    section = model
+    for parent in parents:
+      section = section[parent]
+    section[leaf] = value
 
 
 def main(argv):
   del argv
   config = _CONFIG.value
   try:
-    if _PRESET.value:   # the preset's architecture; compute choices stay the config's
-      keep = {k: config.model[k] for k in ("dtype", "param_dtype", "remat_policy", "scan_layers")}
-      for key, value in gj.get_config(_PRESET.value).model.items():
-        config.model[key] = keep.get(key, value)
+    if _PRESET.value:
+      use_preset(config.model, _PRESET.value)
     if _MESH.value:
       config.mesh.update(sharding.MESH_PRESETS[_MESH.value])
     gj.validate(config)

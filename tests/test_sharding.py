@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 
 import chex
 import jax
@@ -345,6 +346,9 @@ def test_plan_app_per_device_bytes(tmp_path, preset, mesh, expected_mesh):
 @pytest.mark.parametrize("flag,message", [
     ("--preset=gemma3-nope", "plan.py: error: unknown preset 'gemma3-nope'"),
     ("--cache_dtype=foo", "--cache_dtype=foo: value should be one of"),
+    ("--devices=0", "flag --devices=0: 0 is not a positive integer"),
+    ("--devices=-4", "flag --devices=-4: -4 is not a positive integer"),
+    ("--cache_batch=0", "flag --cache_batch=0: 0 is not a positive integer"),
 ])
 def test_plan_app_bad_flags_are_one_error_line(flag, message):
   """An unknown preset or cache dtype stops plan.py with one line, not a traceback."""
@@ -354,3 +358,57 @@ def test_plan_app_bad_flags_are_one_error_line(flag, message):
   assert run.returncode != 0
   assert "Traceback" not in run.stderr
   assert message in run.stderr
+
+
+def plan_app(*flags):
+  """experiments/plan.py with `flags` and --json: the plan it wrote."""
+  with tempfile.TemporaryDirectory() as workdir:
+    out = os.path.join(workdir, "plan.json")
+    run = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "plan.py"), *flags,
+                          f"--json={out}"], cwd=REPO, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    with open(out) as f:
+      return json.load(f)
+
+
+def test_plan_app_keeps_model_flags_given_with_a_preset():
+  """--config.model.* flags apply on top of --preset: the plan equals planning.plan for
+  the preset's model with those fields set."""
+  plan = plan_app("--config=" + os.path.join(REPO, "configs", "gemma3_1b.py"),
+                  "--preset=gemma3-27b", "--devices=8", "--config.model.num_layers=12",
+                  "--config.model.vocab_size=4096")
+  config = gj.get_config("gemma3-1b")   # configs/gemma3_1b.py's settings, by hand
+  config.model = gj.get_config("gemma3-27b").model
+  config.model.update(dtype="bfloat16", remat_policy="save_dot_except_mlp", num_layers=12,
+                      vocab_size=4096)
+  config.data.seq_len, config.train.batch_size = 1024, 64
+  config.optimizer.grad_accum_steps = 8
+  expected = planning.plan(config, 8, 64, 1024)
+  assert plan["model"] == "gemma3-27b"
+  for name in ("params", "gradients", "optimizer_state", "activations"):
+    assert plan[name] == expected[name], name
+
+
+def documented_commands(text: str, script: str) -> list:
+  """Each `python experiments/<script> ...` command in `text` (lines joined): its flags."""
+  text = re.sub(r"\\\n\s*|\n[ ]+(?=--|experiments/)", " ", text)   # continued lines
+  return [line.split()[2:] for line in re.findall(
+      rf"python experiments/{script} [^`\"\n]*", text)]
+
+
+def test_documented_plans_and_multi_host_meshes_are_valid():
+  """The plan.py commands in README.md and plan.py's docstring run, and the README's
+  multi-host training flags (gemma3_1b on 32 devices) give a mesh the batch splits over."""
+  with open(os.path.join(REPO, "README.md")) as f:
+    readme = f.read()
+  with open(os.path.join(REPO, "experiments", "plan.py")) as f:
+    docstring = f.read().split('"""')[1]
+  plans = documented_commands(readme, "plan.py") + documented_commands(docstring, "plan.py")
+  trains = [flags for flags in documented_commands(readme, "train.py")
+            if "--config.mesh.distributed=True" in flags]
+  assert len(plans) >= 6 and len(trains) == 2
+  for flags in plans:
+    plan_app(*flags)
+  for flags in trains:
+    plan = plan_app("--devices=32", *[f for f in flags if not f.startswith("--workdir")])
+    assert math.prod(plan["mesh"].values()) == 32
