@@ -292,6 +292,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
     ("train", "steps", 2, "train.steps", "must exceed optimizer.warmup_steps"),
     ("data", "seq_len", 1, "data.seq_len", ">= 2"),
     ("data", "eval_fraction", 0.0, "data.eval_fraction", r"\(0, 1\)"),
+    ("data", "eval_fraction", 1e-6, "data.eval_fraction", "holds out 1 of the"),
     ("data", "path", "/nonexistent/*.txt", "data.path", "no file matches"),
     ("data", "tokenizer", "/nonexistent/tokenizer.model", "data.tokenizer", "no file at"),
     ("model", "vocab_size", 100, "data.tokenizer", "259 ids does not fit"),
@@ -307,6 +308,17 @@ def test_bad_config_or_data_fails_before_building_the_model(corpus, tmp_path, mo
   with pytest.raises(gj.ConfigError, match=message) as error:
     loop.train(config, str(tmp_path))
   assert error.value.field == name
+
+
+def test_an_eval_split_with_one_target_token_reports_its_zero_entropy(corpus, tmp_path):
+  """Two held-out tokens, [bos] and the first of a document: one target, so the eval
+  unigram entropy is 0 and the final report must not divide by it."""
+  config = tiny_config(corpus)
+  n_tokens = sum(len(text.encode("utf-8")) + 2 for text in data.read_documents(corpus))
+  config.data.eval_fraction = 2 / n_tokens
+  config.train.steps, config.optimizer.warmup_steps = 1, 0
+  summary = loop.train(config, str(tmp_path))
+  assert summary["unigram_entropy"] == 0.0 and np.isfinite(summary["eval_loss"])
 
 
 def test_sample_past_the_learned_positions_fails_before_the_data(tmp_path, monkeypatch):

@@ -141,14 +141,23 @@ def make_batch(tokens: np.ndarray, segment_ids: np.ndarray) -> dict:
 
 
 def load_splits(config: config_dict.ConfigDict, tokenizer, seed: int):
-  """(train Rows, eval Rows) for `config.data`, documents shuffled by `seed`."""
+  """(train Rows, eval Rows) for `config.data`, documents shuffled by `seed`.
+
+  Raises:
+    DataError (field data.eval_fraction): the eval split holds no target token.
+  """
   documents = tokenizer.encode(read_documents(config.path, config.text_field))
   order = np.random.default_rng(seed).permutation(len(documents))
   tokens, segment_ids = concatenate([documents[i] for i in order], tokenizer.bos_id,
                                     tokenizer.eos_id)
   n_eval = min(max(round(config.eval_fraction * len(tokens)), 1), len(tokens) - 1)
   split = lambda part: pack(tokens[part], segment_ids[part], config.seq_len, tokenizer.pad_id)
-  return split(slice(n_eval, None)), split(slice(0, n_eval))
+  held_out = split(slice(0, n_eval))
+  if not make_batch(held_out.tokens, held_out.segment_ids)["weights"].any():
+    raise DataError("data.eval_fraction", f"{config.eval_fraction} holds out {n_eval} of the "
+                    f"{len(tokens)} tokens, none followed by another of its document to "
+                    "predict: raise it")
+  return split(slice(n_eval, None)), held_out
 
 
 def _process_slice(global_rows: np.ndarray, process_index: int, process_count: int):

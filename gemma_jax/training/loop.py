@@ -224,8 +224,8 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
     last_eval = (step, _evaluate(eval_step, state.params, eval_set))
   eval_loss = last_eval[1]
   summary.update(eval_loss=eval_loss, unigram_entropy=entropy, sample=None)
-  _say(f"final eval loss {eval_loss:.4f} nats/token vs eval unigram entropy {entropy:.4f} "
-       f"({1 - eval_loss / entropy:.1%} below)")
+  below = f" ({1 - eval_loss / entropy:.1%} below)" if entropy else ""
+  _say(f"final eval loss {eval_loss:.4f} nats/token vs eval unigram entropy {entropy:.4f}{below}")
   if jax.process_index() == 0:
     metrics.plot_losses(metrics.read_records(workdir), os.path.join(workdir, metrics.PLOT_FILE),
                         reference=entropy)
