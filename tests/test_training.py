@@ -272,10 +272,31 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
 
   monkeypatch.setattr(steps, "make_train_step", poisoned)
   config = tiny_config(corpus)
-  with pytest.raises(loop.TrainingDiverged,
-                     match=r"loss is nan .* at step 4: .* last good checkpoint is step 2"):
+  with pytest.raises(loop.TrainingDiverged, match=r"the loss or gradient norm is not finite "
+                     r"\(loss nan, .* at step 4: .* last good checkpoint is step 2"):
     loop.train(config, str(tmp_path))
-  checkpointer = checkpoints.Checkpointer(str(tmp_path / "checkpoints"), 2)
+  assert_only_checkpoint_is_finite_step_2(config, tmp_path)
+
+
+def test_non_finite_parameters_stop_the_run_before_they_are_saved(corpus, tmp_path,
+                                                                  monkeypatch):
+  """A NaN learning rate for the 4th update: step 4's loss (that of the parameters
+  before the update) is finite, but its parameters, due for a save, are not."""
+  schedule = optimizer.learning_rate_schedule
+
+  def nan_at_the_4th_update(*args):
+    return lambda count: jnp.where(count == 3, jnp.nan, schedule(*args)(count))
+
+  monkeypatch.setattr(optimizer, "learning_rate_schedule", nan_at_the_4th_update)
+  config = tiny_config(corpus)
+  with pytest.raises(loop.TrainingDiverged, match=r"the updated parameters are not finite "
+                     r"\(loss \d.*\) at step 4: .* last good checkpoint is step 2"):
+    loop.train(config, str(tmp_path))
+  assert_only_checkpoint_is_finite_step_2(config, tmp_path)
+
+
+def assert_only_checkpoint_is_finite_step_2(config, workdir):
+  checkpointer = checkpoints.Checkpointer(str(workdir / "checkpoints"), 2)
   assert checkpointer.all_steps() == (2,)
   model = gj.transform(config)
   tx = optimizer.make_optimizer(config.optimizer, lambda _: 1.0)

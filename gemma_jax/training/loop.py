@@ -2,7 +2,8 @@
 
 validate the config -> tokenizer -> data -> model, optimizer -> restore the latest
 checkpoint or initialise -> compile -> steps (log, evaluate, checkpoint; stop on a
-signal or a non-finite loss) -> final evaluation, loss plot and a generated sample.
+signal, a non-finite loss or non-finite parameters) -> final evaluation, loss plot and a
+generated sample.
 Everything that can be wrong with the config or the data fails before compiling.
 """
 
@@ -26,7 +27,7 @@ SAMPLE_FILE = "sample.txt"
 
 
 class TrainingDiverged(RuntimeError):
-  """The loss or gradient norm stopped being finite."""
+  """The loss, gradient norm or parameters stopped being finite."""
 
 
 class StopSignal:
@@ -62,16 +63,21 @@ def _say(message: str) -> None:
 
 
 def _check_finite(pending: List[Tuple[int, dict]], checkpointer, directory) -> List[dict]:
-  """Fetches the metrics of the steps since the last check; raises TrainingDiverged
-  at the first step whose loss or gradient norm is not finite."""
+  """Fetches the metrics of the steps since the last check (less params_finite); raises
+  TrainingDiverged at the first step whose loss, gradient norm or updated parameters
+  are not finite, so no checkpoint is saved from non-finite parameters."""
   fetched = jax.device_get(pending)
   for step, values in fetched:
-    if not (np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])):
+    params_finite = values.pop("params_finite")
+    metrics_finite = np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])
+    if not (metrics_finite and params_finite):
       latest = checkpointer.latest_step()
       kept = (f"the last good checkpoint is step {latest} in {directory}" if latest is not None
               else "no checkpoint was saved before it")
-      raise TrainingDiverged(f"loss is {values['loss']} (grad_norm {values['grad_norm']}) at "
-                             f"step {step}: stopped without saving; {kept}")
+      what = "the loss or gradient norm is" if not metrics_finite else "the updated parameters are"
+      raise TrainingDiverged(f"{what} not finite (loss {values['loss']}, grad_norm "
+                             f"{values['grad_norm']}) at step {step}: stopped without saving; "
+                             f"{kept}")
   return [values for _, values in fetched]
 
 
@@ -117,7 +123,8 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
 
   Raises:
     ConfigError / data.DataError: naming the config field at fault, before compiling.
-    TrainingDiverged: the loss became NaN or infinite; no checkpoint is written after it.
+    TrainingDiverged: the loss or parameters became NaN or infinite; no checkpoint is
+      written from that step on.
   """
   config_lib.validate(config)
   t = config.train

@@ -95,7 +95,9 @@ def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
 
   def train_step(state: TrainState, batch: Batch) -> Tuple[TrainState, Dict[str, jax.Array]]:
     """batch: dict of [B, T] arrays (see `gemma_jax.training.data`), and for an image
-    model optionally "images" [B, I, S, S, C] -> (state, metrics)."""
+    model optionally "images" [B, I, S, S, C] -> (state, metrics); the metrics' loss
+    is that of the parameters before the update, "params_finite" tells whether the
+    updated ones are all finite."""
     rng, step_rng = jax.random.split(state.rng)
     total_weight = jnp.maximum(jnp.sum(batch["weights"], dtype=jnp.float32), 1.0)
     micro_batches = jax.tree.map(
@@ -117,6 +119,8 @@ def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": sums.cross_entropy / total_weight,
                "grad_norm": optax.tree.norm(grads),
+               "params_finite": jnp.all(jnp.stack(
+                   [jnp.isfinite(p).all() for p in jax.tree.leaves(params)])),
                "learning_rate": learning_rate(state.step),
                "target_tokens": sums.weight,
                **{f"aux/{name}": value for name, value in aux.items()}}
