@@ -580,13 +580,31 @@ def _move_into_place(staging: str, path: str) -> None:
     shutil.rmtree(old)
 
 
+# What `save` writes, and weights of an earlier checkpoint in the directory it replaces.
+_REPLACED = re.compile(r"config\.json|.*\.safetensors(\.index\.json)?|"
+                       r"pytorch_model.*\.bin(\.index\.json)?")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+  """Hard-links `src` at `dst`; copies it (synced) where a link cannot be made."""
+  try:
+    os.link(src, dst)
+  except OSError:
+    shutil.copy2(src, dst)
+    _fsync(dst)
+
+
 def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
   """Writes config.json and model.safetensors that transformers' from_pretrained reads.
 
   The directory is written and synced to disk next to `path`, then moved into place
   (`_move_into_place`), so an existing checkpoint at `path` is only replaced by a whole
-  one.
+  one. Files already in `path` (tokenizer, README, ...) are kept, except config.json
+  and weight files (*.safetensors, their index, pytorch_model*.bin). A symlink to a
+  directory is followed.
   """
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise CheckpointError(f"{path}: exists and is not a directory")
   if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
     raise CheckpointError(f"config.model.block_type: transformers has no layout for "
                           f"{config.model.block_type!r}")
@@ -599,7 +617,8 @@ def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
     parts.setdefault(name, {})[part] = value
   tensors = {name: np.concatenate([p[i] for i in sorted(p)], axis=-2) if len(p) > 1 else p[0]
              for name, p in parts.items()}
-  parent = os.path.dirname(os.path.abspath(path))
+  path = os.path.realpath(path)
+  parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=".hf-save-", dir=parent)
   try:
@@ -608,7 +627,12 @@ def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
       f.flush()
       os.fsync(f.fileno())
     safetensors_io.write(os.path.join(staging, "model.safetensors"), tensors)  # synced
-    _fsync(staging)
+    if os.path.isdir(path):
+      shutil.copytree(path, staging, symlinks=True, copy_function=_link_or_copy,
+                      dirs_exist_ok=True, ignore=lambda folder, names: [
+                          n for n in names if folder == path and _REPLACED.fullmatch(n)])
+    for folder, _, _ in os.walk(staging):
+      _fsync(folder)
     _move_into_place(staging, path)
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)

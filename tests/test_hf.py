@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import re
 import sys
 
 import jax
@@ -292,13 +293,24 @@ def test_save_replaces_an_existing_checkpoint(tmp_path, monkeypatch, two_layers,
   assert os.listdir(tmp_path) == ["out"]
 
 
-def test_save_syncs_the_new_checkpoint_before_the_swap(tmp_path, monkeypatch, two_layers):
-  """Both files and the staging directory reach the disk before they replace `out`
-  (files identified by inode: the tensors are synced under a temporary name, then
-  renamed)."""
+def _no_hard_links(src, dst):
+  raise PermissionError("no hard links here")
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_save_syncs_the_new_checkpoint_before_the_swap(tmp_path, monkeypatch, two_layers,
+                                                       hard_links):
+  """Both files, the staging directories and any kept file that had to be copied reach
+  the disk before they replace `out` (files identified by inode: the tensors are synced
+  under a temporary name, then renamed)."""
   config, params = two_layers
   out = str(tmp_path / "out")
   gj.hf.save(out, config, params)
+  os.mkdir(os.path.join(out, "extra"))
+  with open(os.path.join(out, "extra", "notes.txt"), "w") as f:
+    f.write("notes")
+  if not hard_links:
+    monkeypatch.setattr(os, "link", _no_hard_links)
   synced, at_swap = set(), []
   real_fsync, real_exchange = os.fsync, gj.hf._exchange
   inode = lambda stat: (stat.st_dev, stat.st_ino)
@@ -308,7 +320,9 @@ def test_save_syncs_the_new_checkpoint_before_the_swap(tmp_path, monkeypatch, tw
     real_fsync(fd)
 
   def exchange(a, b):
-    wanted = [a] + [os.path.join(a, name) for name in ("config.json", "model.safetensors")]
+    names = ["extra", "config.json", "model.safetensors"] + (
+        [] if hard_links else [os.path.join("extra", "notes.txt")])
+    wanted = [a] + [os.path.join(a, name) for name in names]
     at_swap.append({inode(os.stat(path)) for path in wanted} <= synced)
     return real_exchange(a, b)
 
@@ -355,6 +369,69 @@ def test_save_without_renameat2_restores_the_previous_checkpoint(tmp_path, monke
     gj.hf.save(out, config, jax.tree.map(lambda x: 2 * x, params))
   np.testing.assert_array_equal(_saved_embedding(out), params["embed"]["embedding"])
   assert os.listdir(tmp_path) == ["out"]
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_save_keeps_the_other_files_of_the_directory(tmp_path, monkeypatch, two_layers,
+                                                     hard_links):
+  """Tokenizer, README and the like survive, byte for byte, whether they can be
+  hard-linked into the new directory or must be copied."""
+  config, params = two_layers
+  out = tmp_path / "out"
+  gj.hf.save(str(out), config, params)
+  kept = {"tokenizer.model": os.urandom(1000), "README.md": b"# my model\n",
+          os.path.join("extra", "notes.txt"): b"notes"}
+  (out / "extra").mkdir()
+  for name, data in kept.items():
+    (out / name).write_bytes(data)
+  inode = (out / "tokenizer.model").stat().st_ino
+  if not hard_links:
+    monkeypatch.setattr(os, "link", _no_hard_links)
+  gj.hf.save(str(out), config, jax.tree.map(lambda x: 2 * x, params))
+  for name, data in kept.items():
+    assert (out / name).read_bytes() == data
+  assert ((out / "tokenizer.model").stat().st_ino == inode) == hard_links
+  np.testing.assert_array_equal(_saved_embedding(str(out)), 2 * params["embed"]["embedding"])
+  assert os.listdir(tmp_path) == ["out"]
+
+
+def test_save_over_a_bigger_sharded_checkpoint_leaves_no_stale_shard(tmp_path, two_layers):
+  config, params = two_layers
+  out = str(tmp_path / "out")
+  random_model(1, num_hidden_layers=4, num_key_value_heads=2).save_pretrained(
+      out, max_shard_size="50KB")
+  assert "model.safetensors.index.json" in os.listdir(out)
+  with open(os.path.join(out, "pytorch_model.bin"), "wb") as f:   # older weights still
+    f.write(b"stale")
+  gj.hf.save(out, config, params)
+  assert sorted(os.listdir(out)) == ["config.json", "generation_config.json",
+                                     "model.safetensors"]
+  model = transformers.Gemma3ForCausalLM.from_pretrained(out)
+  np.testing.assert_array_equal(model.model.embed_tokens.weight.detach().numpy(),
+                                params["embed"]["embedding"])
+  np.testing.assert_array_equal(_saved_embedding(out), params["embed"]["embedding"])
+
+
+def test_save_refuses_a_path_that_is_a_file(tmp_path, two_layers):
+  out = tmp_path / "out"
+  out.write_bytes(b"not a directory")
+  with pytest.raises(gj.hf.CheckpointError, match=re.escape(f"{out}: exists and is not a")):
+    gj.hf.save(str(out), *two_layers)
+  assert out.read_bytes() == b"not a directory"
+  assert os.listdir(tmp_path) == ["out"]
+
+
+def test_save_through_a_symlink_writes_into_its_directory(tmp_path, two_layers):
+  config, params = two_layers
+  (tmp_path / "real").mkdir()
+  (tmp_path / "real" / "README.md").write_text("kept")
+  (tmp_path / "link").symlink_to("real")
+  gj.hf.save(str(tmp_path / "link"), config, params)
+  assert os.readlink(tmp_path / "link") == "real"
+  assert sorted(os.listdir(tmp_path)) == ["link", "real"]
+  assert (tmp_path / "real" / "README.md").read_text() == "kept"
+  np.testing.assert_array_equal(_saved_embedding(str(tmp_path / "real")),
+                                params["embed"]["embedding"])
 
 
 def test_safetensors_io_agrees_with_the_safetensors_package(tmp_path):
