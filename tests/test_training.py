@@ -217,6 +217,33 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(full_run, tmp_path):
   assert resumed[6]["eval_loss"] == full[6]["eval_loss"]
 
 
+def test_a_log_record_averages_every_step_since_the_last_even_across_saves(full_run, tmp_path,
+                                                                          monkeypatch):
+  """Logs at 3 and 6, saves at 2 and 4: each record is the mean of the three steps'
+  losses that the uninterrupted run logged one by one, and counts their tokens."""
+  config, full_workdir, _ = full_run
+  config = config.copy_and_resolve_references()
+  config.train.log_every, config.checkpoint.save_every = 3, 2
+  config.sample.max_new_tokens = 0
+  tokens = []
+  train_record = loop._train_record   # pylint: disable=protected-access
+
+  def counting_train_record(fetched, seconds, n_tokens, *args):
+    tokens.append(n_tokens)
+    return train_record(fetched, seconds, n_tokens, *args)
+
+  monkeypatch.setattr(loop, "_train_record", counting_train_record)
+  loop.train(config, str(tmp_path))
+  each_step = {r["step"]: r for r in metrics.read_records(full_workdir)}
+  records = metrics.read_records(str(tmp_path))
+  assert [r["step"] for r in records] == [3, 6]
+  for record in records:
+    for key in ("loss", "grad_norm", "target_tokens"):
+      expected = np.mean([each_step[s][key] for s in range(record["step"] - 2, record["step"] + 1)])
+      assert record[key] == pytest.approx(expected, rel=1e-6), (record["step"], key)
+  assert tokens == [3 * config.train.batch_size * config.data.seq_len] * 2
+
+
 def test_steps_after_the_first_of_each_kind_trace_and_compile_nothing(corpus, tmp_path,
                                                                      monkeypatch):
   """No recompilation between steps: the train step is traced once, and once a log, an

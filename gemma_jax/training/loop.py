@@ -181,7 +181,9 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
   step = int(state.step)
   summary = {"step": step, "stopped_by": None}
   last_eval = None   # (step, eval loss)
-  pending, interval_steps, interval_start = [], 0, time.perf_counter()
+  # Metrics of steps not yet checked, and of those checked but not yet logged; the
+  # seconds those steps ran (evaluations, logging and saves left out).
+  pending, unlogged, seconds, interval_start = [], [], 0.0, time.perf_counter()
   bar = tqdm.tqdm(total=t.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
                   disable=not t.progress_bar or jax.process_index() != 0)
   try:
@@ -190,7 +192,6 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
         state, step_metrics = train_step(state, sharding.global_batch(next(batches), mesh))
         step += 1
         pending.append((step, step_metrics))
-        interval_steps += 1
         bar.update()
         done = step == t.steps
         evaluate = done or (t.eval_every and step % t.eval_every == 0)
@@ -198,11 +199,13 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
         save = done or step % config.checkpoint.save_every == 0
         if not (log or save or stop.requested):
           continue
-        fetched = _check_finite(pending, checkpointer, checkpoint_dir)
+        unlogged += _check_finite(pending, checkpointer, checkpoint_dir)
         pending = []
+        seconds += time.perf_counter() - interval_start
         if log:
-          record = _train_record(fetched, time.perf_counter() - interval_start,
-                                 interval_steps * tokens_per_step, flops_per_token, peak)
+          record = _train_record(unlogged, seconds, len(unlogged) * tokens_per_step,
+                                 flops_per_token, peak)
+          unlogged, seconds = [], 0.0
           if evaluate:
             record["eval_loss"] = _evaluate(eval_step, state.params, eval_set)
             last_eval = (step, record["eval_loss"])
@@ -214,7 +217,7 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
           _say(_log_line(step, t.steps, record))
         if save or stop.requested:
           checkpointer.save(state, batches.state())
-        interval_steps, interval_start = 0, time.perf_counter()
+        interval_start = time.perf_counter()
       summary.update(step=step, stopped_by=stop.requested)
   finally:
     bar.close()
