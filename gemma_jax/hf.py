@@ -18,9 +18,9 @@ import functools
 import json
 import os
 import re
+import secrets
 import shutil
 import sys
-import tempfile
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import flax
@@ -230,6 +230,10 @@ def config_from_hf(hf: dict) -> config_dict.ConfigDict:
   hf_types = text.get("layer_types") or [
       "full_attention" if (i + 1) % text.get("sliding_window_pattern", 6) == 0
       else "sliding_attention" for i in range(n_layers)]
+  unknown = sorted(set(hf_types) - set(_ATTENTION_TYPES))
+  if unknown:
+    raise CheckpointError(f"config.json: layer_types holds {unknown}, not one of "
+                          f"{sorted(_ATTENTION_TYPES)}")
   kinds = [_ATTENTION_TYPES[t] for t in hf_types]
   local = _rope(text, "sliding_attention", "rope_local_base_freq")
   global_ = _rope(text, "full_attention", "rope_theta")
@@ -620,7 +624,8 @@ def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
   path = os.path.realpath(path)
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=".hf-save-", dir=parent)
+  staging = os.path.join(parent, f".hf-save-{secrets.token_hex(8)}")
+  os.mkdir(staging)   # the umask's mode, as a plain new directory (mkdtemp's is 0700)
   try:
     with open(os.path.join(staging, "config.json"), "w") as f:
       json.dump(hf_config, f, indent=2)

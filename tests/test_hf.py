@@ -215,6 +215,14 @@ def test_config_key_without_a_default_is_named():
     gj.hf.config_from_hf(hf)
 
 
+def test_unknown_layer_type_is_named():
+  hf = gj.hf.config_to_hf(gj.get_config("gemma3-tiny"))
+  hf["layer_types"] = ["sliding_attention"] * (hf["num_hidden_layers"] - 1) + ["chunked"]
+  with pytest.raises(gj.hf.CheckpointError,
+                     match=r"config.json: layer_types holds \['chunked'\], not one of"):
+    gj.hf.config_from_hf(hf)
+
+
 @pytest.mark.parametrize("preset,architecture", [("gemma3-tiny", "Gemma3ForCausalLM"),
                                                   ("gemma4-tiny", "Gemma4ForCausalLM")])
 @pytest.mark.parametrize("field,value,needed", [
@@ -419,6 +427,18 @@ def test_save_refuses_a_path_that_is_a_file(tmp_path, two_layers):
     gj.hf.save(str(out), *two_layers)
   assert out.read_bytes() == b"not a directory"
   assert os.listdir(tmp_path) == ["out"]
+
+
+def test_new_checkpoint_directory_gets_the_mode_of_any_new_directory(tmp_path, two_layers):
+  """Not tempfile's private 0700: other users may read what the umask lets them."""
+  umask = os.umask(0o022)
+  try:
+    gj.hf.save(str(tmp_path / "out"), *two_layers)
+    (tmp_path / "plain").mkdir()
+  finally:
+    os.umask(umask)
+  assert os.stat(tmp_path / "out").st_mode == os.stat(tmp_path / "plain").st_mode
+  assert os.stat(tmp_path / "out").st_mode & 0o777 == 0o755
 
 
 def test_save_through_a_symlink_writes_into_its_directory(tmp_path, two_layers):
