@@ -2,6 +2,7 @@
 divergence, errors)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -331,6 +332,26 @@ def assert_only_checkpoint_is_finite_step_2(config, workdir):
   restored, data_state = checkpointer.restore(like)
   assert int(restored.step) == 2 and data_state["next_batch"] == 2
   chex.assert_tree_all_finite(restored.params)
+
+
+def test_resuming_under_another_model_or_optimizer_names_what_differs(corpus, tmp_path):
+  """The saved shapes are compared with the config's before orbax restores anything;
+  the checkpoint stays as it was."""
+  config = tiny_config(corpus)
+  config.train.steps, config.optimizer.warmup_steps = 1, 0
+  loop.train(config, str(tmp_path))
+  directory = re.escape(str(tmp_path / "checkpoints"))
+  for section, field, value, message in [
+      ("model", "d_model", 48, r"params/\S+ is \(1, 32, 1, 16\) there, \(1, 48, 1, 16\) here"),
+      ("optimizer", "max_grad_norm", 0.0, r"opt_state/0/count is absent there, \(\) here")]:
+    changed = config.copy_and_resolve_references()
+    changed.train.steps = 2
+    changed[section][field] = value
+    with pytest.raises(gj.ConfigError, match=f"the checkpoint of step 1 in {directory} does not "
+                       f"match this config: {message}; resume with the config") as error:
+      loop.train(changed, str(tmp_path))
+    assert error.value.field == section
+  assert checkpoints.Checkpointer(str(tmp_path / "checkpoints"), 2).all_steps() == (1,)
 
 
 @pytest.mark.parametrize("section,field,value,name,message", [

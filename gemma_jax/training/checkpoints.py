@@ -9,6 +9,8 @@ from typing import Optional, Tuple
 import jax
 import orbax.checkpoint as ocp
 
+from gemma_jax.config import ConfigError
+from gemma_jax.training.optimizer import param_path
 from gemma_jax.training.steps import TrainState
 
 
@@ -17,12 +19,21 @@ def _to_arrays(state: TrainState) -> dict:
   return state._replace(rng=jax.random.key_data(state.rng))._asdict()
 
 
+def _shapes(tree) -> dict:
+  """{"params/embed/embedding": shape, ...} of a tree of arrays or array metadata."""
+  return {param_path(path): tuple(leaf.shape)
+          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
 class Checkpointer:
   """Saves (TrainState, data position) every call, keeping the last `keep` steps."""
 
   def __init__(self, directory: str, keep: int):
+    self._directory = directory
     self._manager = ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+        directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "data": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> Optional[int]:
     return self._manager.latest_step()
@@ -46,12 +57,25 @@ class Checkpointer:
         where they carry shardings, each host reads just its shards and the arrays
         come back laid out that way, whatever mesh the checkpoint was saved from.
       step: the step to restore; the latest by default.
+
+    Raises:
+      ConfigError (field model, or optimizer): the saved arrays' names or shapes are
+        not those of `like` (the config's model or optimizer changed since the save).
     """
     step = self.latest_step() if step is None else step
     abstract = jax.tree.map(
         lambda shape, leaf: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
                                                  sharding=leaf.sharding),
         jax.eval_shape(_to_arrays, like), like._asdict())
+    saved, wanted = _shapes(self._manager.item_metadata(step)["state"]), _shapes(abstract)
+    if saved != wanted:
+      differ = [p for p in saved.keys() | wanted.keys() if saved.get(p) != wanted.get(p)]
+      path = min(differ, key=lambda p: (not p.startswith("params/"), p))
+      raise ConfigError("model" if path.startswith("params/") else "optimizer",
+                        f"the checkpoint of step {step} in {self._directory} does not match "
+                        f"this config: {path} is {saved.get(path, 'absent')} there, "
+                        f"{wanted.get(path, 'absent')} here; resume with the config it was "
+                        "saved with, or use a new workdir")
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
     arrays = restored["state"]

@@ -18,8 +18,9 @@ def learning_rate_schedule(config: config_dict.ConfigDict, total_steps: int) -> 
 
 
 def param_path(path) -> str:
-  """A tree path -> "blocks/layer_0/attn/q/kernel"."""
-  return "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
+  """A tree path -> "blocks/layer_0/attn/q/kernel" (a named tuple's field by its name)."""
+  return "/".join(str(getattr(key, "key", getattr(key, "idx", getattr(key, "name", key))))
+                  for key in path)
 
 
 def decay_mask(patterns) -> Callable:
