@@ -390,6 +390,13 @@ def test_an_eval_split_with_one_target_token_reports_its_zero_entropy(corpus, tm
   assert summary["unigram_entropy"] == 0.0 and np.isfinite(summary["eval_loss"])
 
 
+@pytest.mark.parametrize("eval_loss, entropy, end", [
+    (3.0, 4.0, "entropy 4.0000 (25.0% below)"), (6.0, 4.0, "entropy 4.0000 (50.0% above)"),
+    (1.0, 0.0, "entropy 0.0000")])
+def test_final_report_says_below_or_above_the_unigram_entropy(eval_loss, entropy, end):
+  assert loop.final_report(eval_loss, entropy).endswith(end)
+
+
 def test_sample_past_the_learned_positions_fails_before_the_data(tmp_path, monkeypatch):
   """The byte-level prompt "def " is 5 ids with BOS: 28 new tokens fit a table of 32
   positions, 29 do not, and training refuses before reading any data."""

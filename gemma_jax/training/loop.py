@@ -62,6 +62,15 @@ def _say(message: str) -> None:
     tqdm.tqdm.write(message)
 
 
+def final_report(eval_loss: float, entropy: float) -> str:
+  """The eval loss against the eval split's unigram entropy (both nats/token)."""
+  line = f"final eval loss {eval_loss:.4f} nats/token vs eval unigram entropy {entropy:.4f}"
+  if not entropy:
+    return line
+  gap = 1 - eval_loss / entropy
+  return f"{line} ({abs(gap):.1%} {'below' if gap >= 0 else 'above'})"
+
+
 def _check_finite(pending: List[Tuple[int, dict]], checkpointer, directory) -> List[dict]:
   """Fetches the metrics of the steps since the last check (less params_finite); raises
   TrainingDiverged at the first step whose loss, gradient norm or updated parameters
@@ -234,8 +243,7 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
     last_eval = (step, _evaluate(eval_step, state.params, eval_set))
   eval_loss = last_eval[1]
   summary.update(eval_loss=eval_loss, unigram_entropy=entropy, sample=None)
-  below = f" ({1 - eval_loss / entropy:.1%} below)" if entropy else ""
-  _say(f"final eval loss {eval_loss:.4f} nats/token vs eval unigram entropy {entropy:.4f}{below}")
+  _say(final_report(eval_loss, entropy))
   if jax.process_index() == 0:
     metrics.plot_losses(metrics.read_records(workdir), os.path.join(workdir, metrics.PLOT_FILE),
                         reference=entropy)
