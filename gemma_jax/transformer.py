@@ -83,6 +83,8 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     _check_tokens(tokens, model_config.vocab_size)
     _check_same_shape(tokens, positions, "positions")
     _check_same_shape(tokens, segment_ids, "segment_ids")
+    if positions is None and segment_ids is None:   # 0..T-1: known from the shape alone
+      _check_positions(np.arange(tokens.shape[1]), model_config.trainable_position_size)
     if segment_ids is None:
       segment_ids = jnp.ones_like(tokens)
     if positions is None:
@@ -125,10 +127,13 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
 
     Args:
       params: from `init` (or `gemma_jax.hf.load`).
-      tokens: [B, T] int token ids.
+      tokens: [B, T] int token ids in [0, vocab_size), padding included (checked unless
+        traced: under jit an id outside gives NaN logits for its whole row, as masked
+        keys still carry their values).
       positions: [B, T] positions (RoPE, position embeddings); default: index within
         each segment. With a learned table they must lie in [0, trainable_position_size)
-        (checked unless traced).
+        (checked unless traced; without positions and segment_ids, T is checked even
+        under jit).
       segment_ids: [B, T] document ids of packed rows (0 for padding); default: one
         document per row.
       images: [B, I, S, S, C] pixels from `gemma_jax.image_inputs` (a model with

@@ -155,6 +155,20 @@ def test_packed_documents_restart_learned_positions(three_layers):
   assert torch_reference.packed_row_gap(model, path, VOCAB) <= 1e-4
 
 
+def test_rows_longer_than_the_position_table_are_refused_under_jit():
+  """Without positions or segment ids the positions are 0..T-1 whatever the values, so a
+  jitted apply refuses T past the table instead of returning NaN logits."""
+  config = gj.get_config("gpt3-52k")
+  config.model.trainable_position_size = config.data.seq_len = 16
+  model = gj.transform(config)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+  apply = jax.jit(model.apply)
+  assert np.isfinite(apply(params, jnp.zeros((1, 16), jnp.int32))).all()
+  with pytest.raises(ValueError, match=r"positions span \[0, 16\], outside the learned "
+                     r"position table \[0, config.model.trainable_position_size=16\)"):
+    apply(params, jnp.zeros((1, 17), jnp.int32))
+
+
 def test_save_round_trip_through_transformers(checkpoint, tmp_path):
   model, path = checkpoint
   torch_reference.assert_save_round_trip(model, path, str(tmp_path / "saved"),
