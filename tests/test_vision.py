@@ -283,6 +283,17 @@ def test_load_and_save_map_every_layout(layout, tmp_path):
       np.testing.assert_array_equal(value, expected[name], err_msg=name)
 
 
+def test_every_parameter_is_stored_in_param_dtype(tmp_path):
+  """init under param_dtype=bfloat16 gives the tree (names, shapes, dtypes) that
+  hf.load(param_dtype="bfloat16") gives: every leaf bfloat16, the tower's norms too."""
+  write_checkpoint(tmp_path / "in", layouts()["in_memory"])
+  config, loaded = gj.hf.load(str(tmp_path / "in"), param_dtype="bfloat16")
+  assert config.model.param_dtype == "bfloat16"
+  initialised = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  chex.assert_trees_all_equal_shapes_and_dtypes(initialised, loaded)
+  assert {leaf.dtype for leaf in jax.tree.leaves(initialised)} == {jnp.dtype("bfloat16")}
+
+
 def test_load_names_missing_and_misshapen_vision_tensors(tmp_path):
   state = layouts()["in_memory"]
   name = "model.vision_tower.encoder.layers.1.mlp.fc2.weight"

@@ -46,9 +46,9 @@ from gemma_jax.layers.norms import RMSNorm
 # ----------------------------------------------------------------------------- modules
 
 
-def _layer_norm(eps: float, name: str) -> nn.LayerNorm:
+def _layer_norm(eps: float, param_dtype: Any, name: str) -> nn.LayerNorm:
   """LayerNorm over the last axis with a bias; computed in float32."""
-  return nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32,
+  return nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=param_dtype,
                       scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(),
                                                               ("norm",)),
                       bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(),
@@ -70,7 +70,7 @@ class VisionLayer(nn.Module):
     """x: [N, P, W] -> ([N, P, W], None)."""
     c = self.config
     head_dim = c.width // c.num_heads
-    norm = lambda name: lambda y: _layer_norm(c.layer_norm_eps, name)(y).astype(self.dtype)
+    norm = lambda name: lambda y: _layer_norm(c.layer_norm_eps, self.param_dtype, name)(y).astype(self.dtype)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     attn = Attention(c.num_heads, c.num_heads, head_dim, query_scale=head_dim ** -0.5,
                      use_rope=False, use_qk_norm=False, use_bias=True,
@@ -123,7 +123,7 @@ class VisionEncoder(nn.Module):
       for i in range(c.num_layers):
         x, _ = layer_cls(c, self.dtype, self.param_dtype, self.attention_kernel,
                          name=f"layers_{i}")(x)
-    x = _layer_norm(c.layer_norm_eps, "final_norm")(x).astype(self.dtype)
+    x = _layer_norm(c.layer_norm_eps, self.param_dtype, "final_norm")(x).astype(self.dtype)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 
