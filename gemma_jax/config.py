@@ -24,6 +24,11 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
+def _integer(value) -> bool:
+  """An int and not a bool: True would otherwise pass as the count 1."""
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 class ConfigError(ValueError):
   """A config field holds a value the model cannot be built with."""
 
@@ -225,8 +230,7 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
   for field in ("vocab_size", "d_model", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "mlp_dim", "sliding_window"):
     value = m[field]
-    need(isinstance(value, int) and value > 0, field,
-         f"must be a positive integer, got {value!r}")
+    need(_integer(value) and value > 0, field, f"must be a positive integer, got {value!r}")
   need(m.num_heads % m.num_kv_heads == 0, "num_kv_heads",
        f"num_heads={m.num_heads} is not divisible by num_kv_heads={m.num_kv_heads}")
   need(m.block_type in BLOCK_TYPES, "block_type",
@@ -265,14 +269,14 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
 def _validate_attention_options(m: config_dict.ConfigDict, need) -> None:
   """Per-type heads and head dims, and the span types; `need(ok, field, message)`."""
   if m.global_num_kv_heads is not None:
-    need(isinstance(m.global_num_kv_heads, int) and m.global_num_kv_heads > 0,
+    need(_integer(m.global_num_kv_heads) and m.global_num_kv_heads > 0,
          "global_num_kv_heads", f"must be a positive integer or None, got "
          f"{m.global_num_kv_heads!r}")
     need(m.num_heads % m.global_num_kv_heads == 0, "global_num_kv_heads",
          f"num_heads={m.num_heads} is not divisible by global_num_kv_heads="
          f"{m.global_num_kv_heads}")
   if m.global_head_dim is not None:
-    need(isinstance(m.global_head_dim, int) and m.global_head_dim > 0
+    need(_integer(m.global_head_dim) and m.global_head_dim > 0
          and m.global_head_dim % 2 == 0, "global_head_dim",
          f"must be a positive even integer or None, got {m.global_head_dim!r}")
   for kind in m.bidirectional_span_types:
@@ -282,7 +286,7 @@ def _validate_attention_options(m: config_dict.ConfigDict, need) -> None:
 
 def _validate_experts(m: config_dict.ConfigDict, need) -> None:
   """The mixture-of-experts fields; `need(ok, field, message)`."""
-  need(isinstance(m.num_experts, int) and m.num_experts >= 0, "num_experts",
+  need(_integer(m.num_experts) and m.num_experts >= 0, "num_experts",
        f"must be an integer >= 0, got {m.num_experts!r}")
   need(m.attention_kernel in ATTENTION_KERNELS, "attention_kernel",
        f"unknown kernel {m.attention_kernel!r}; known: {ATTENTION_KERNELS}")
@@ -297,10 +301,10 @@ def _validate_experts(m: config_dict.ConfigDict, need) -> None:
     return
   need(m.block_type == "gemma4", "num_experts",
        f"experts need block_type 'gemma4', got {m.block_type!r}")
-  need(isinstance(m.experts_per_token, int) and 1 <= m.experts_per_token <= m.num_experts,
+  need(_integer(m.experts_per_token) and 1 <= m.experts_per_token <= m.num_experts,
        "experts_per_token", f"must lie in [1, num_experts={m.num_experts}], got "
        f"{m.experts_per_token!r}")
-  need(isinstance(m.expert_mlp_dim, int) and m.expert_mlp_dim > 0, "expert_mlp_dim",
+  need(_integer(m.expert_mlp_dim) and m.expert_mlp_dim > 0, "expert_mlp_dim",
        f"must be a positive integer when num_experts > 0, got {m.expert_mlp_dim!r}")
 
 
@@ -308,7 +312,7 @@ def _validate_embeddings_and_gpt3(config: config_dict.ConfigDict, need) -> None:
   """Position embeddings and the GPT-3 fields; `need(ok, field, message)`."""
   m = config.model
   size = m.trainable_position_size
-  need(isinstance(size, int) and size >= 0, "trainable_position_size",
+  need(_integer(size) and size >= 0, "trainable_position_size",
        f"must be an integer >= 0, got {size!r}")
   need(not size or size >= config.data.seq_len, "trainable_position_size",
        f"{size} positions do not cover data.seq_len={config.data.seq_len}")
@@ -329,7 +333,7 @@ def _validate_vision(m: config_dict.ConfigDict, need) -> None:
         f"the vision tower is Gemma 3's: needs block_type 'gemma3', got {m.block_type!r}")
   for field in ("image_size", "patch_size", "num_channels", "width", "num_layers", "num_heads",
                 "mlp_dim", "tokens_per_image"):
-    check(isinstance(v[field], int) and v[field] > 0, field,
+    check(_integer(v[field]) and v[field] > 0, field,
           f"must be a positive integer, got {v[field]!r}")
   check(v.image_size % v.patch_size == 0, "patch_size",
         f"image_size={v.image_size} is not divisible by patch_size={v.patch_size}")
@@ -349,7 +353,7 @@ def _validate_vision(m: config_dict.ConfigDict, need) -> None:
   check(v.layer_norm_eps > 0, "layer_norm_eps", f"must be positive, got {v.layer_norm_eps}")
   ids = ("boi_token_id", "eoi_token_id", "image_token_id", "double_newline_token_id")
   for i, field in enumerate(ids):
-    check(isinstance(v[field], int) and 0 <= v[field] < m.vocab_size, field,
+    check(_integer(v[field]) and 0 <= v[field] < m.vocab_size, field,
           f"{v[field]!r} is outside the vocabulary [0, vocab_size={m.vocab_size})")
     for other in ids[:i]:
       check(v[field] != v[other], field, f"equals {other} ({v[other]}); the ids must differ")
@@ -368,7 +372,7 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
 
   def integer(field, minimum):
     v = value(field)
-    need(isinstance(v, int) and v >= minimum, field, f"must be an integer >= {minimum}, got {v!r}")
+    need(_integer(v) and v >= minimum, field, f"must be an integer >= {minimum}, got {v!r}")
 
   def number(field, interval):
     """interval: "(0, 1)", "[0, inf)", ... with 0, 1 or inf as bounds."""
@@ -421,7 +425,7 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
 
   sizes = {axis: config.mesh[axis] for axis in MESH_AXES}
   for axis, size in sizes.items():
-    need(isinstance(size, int) and (size >= 1 or size == -1), f"mesh.{axis}",
+    need(_integer(size) and (size >= 1 or size == -1), f"mesh.{axis}",
          f"must be a positive integer or -1, got {size!r}")
   free = [axis for axis, size in sizes.items() if size == -1]
   if len(free) > 1:

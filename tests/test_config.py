@@ -114,3 +114,37 @@ def test_invalid_training_config_names_its_field(section, field, value, name, me
   with pytest.raises(config_lib.ConfigError, match=message) as error:
     gj.validate(config)
   assert error.value.field == name
+
+
+def assign(config, path, value):
+  """config["a.b.c"] = value for a dotted path."""
+  *sections, field = path.split(".")
+  for section in sections:
+    config = config[section]
+  config[field] = value
+
+
+# A bool is an int to Python: num_layers=True would build a one-layer model.
+WRONG_KINDS = [
+    ("gemma3-tiny", "model.num_layers", True, "positive integer, got True"),
+    ("gemma3-tiny", "model.global_num_kv_heads", True, "positive integer or None, got True"),
+    ("gemma3-tiny", "model.trainable_position_size", True, "integer >= 0, got True"),
+    ("gemma4-moe-tiny", "model.num_experts", True, "integer >= 0, got True"),
+    ("gemma4-moe-tiny", "model.experts_per_token", True, "got True"),
+    ("gemma4-moe-tiny", "model.expert_mlp_dim", True, "positive integer .*, got True"),
+    ("gemma3-tiny-vision", "model.vision.num_channels", True, "positive integer, got True"),
+    ("gemma3-tiny-vision", "model.vision.double_newline_token_id", True,
+     "True is outside the vocabulary"),
+    ("gemma3-tiny", "train.steps", True, "integer >= 1, got True"),
+    ("gemma3-tiny", "sample.top_k", True, "integer >= 0, got True"),
+    ("gemma3-tiny", "mesh.fsdp", True, "positive integer or -1, got True"),
+]
+
+
+@pytest.mark.parametrize("preset,path,value,message", WRONG_KINDS)
+def test_wrong_kind_of_value_names_its_field(preset, path, value, message):
+  config = gj.get_config(preset)
+  assign(config, path, value)
+  with pytest.raises(config_lib.ConfigError, match=message) as error:
+    gj.validate(config)
+  assert error.value.field == path
