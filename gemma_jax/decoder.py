@@ -2,10 +2,11 @@
 
 The attention pattern (e.g. 5 local, 1 global) repeats every `len(pattern)` layers
 (`final_layer_global` makes the last layer global whatever the pattern says); one
-period is a `Block`. With `scan_layers` the first `num_layers // period` blocks
-run under `nn.scan` (parameters stacked on a leading "layers" axis, compile time
-independent of depth) and the remaining `num_layers % period` layers run unscanned.
-Without it every layer is unrolled. Parameter names:
+period is a `Block`. With `scan_layers` the leading whole periods whose layers all
+have the pattern's types (`scanned_block_count`: `num_layers // period`, one fewer when
+`final_layer_global` changes the last whole period) run under `nn.scan` (parameters
+stacked on a leading "layers" axis, compile time independent of depth) and the layers
+after them run unscanned. Without it every layer is unrolled. Parameter names:
 
   scanned:   blocks/layer_{j}/...  (stacked, block b holds layer b * period + j)
              layers_{i}/...        (the remainder, i >= n_blocks * period)
