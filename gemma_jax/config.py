@@ -7,6 +7,7 @@ and raises `ConfigError` naming the offending field.
 """
 
 import math
+import numbers
 import re
 
 from ml_collections import config_dict
@@ -27,6 +28,13 @@ BATCH_AXES = ("data", "fsdp", "expert")
 def _integer(value) -> bool:
   """An int and not a bool: True would otherwise pass as the count 1."""
   return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+  """A finite real number: not None, a bool, inf or NaN (an inf soft cap or RoPE scale
+  validates as positive yet gives NaN logits or no rotation at all)."""
+  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(value))
 
 
 class ConfigError(ValueError):
@@ -239,22 +247,28 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
        f"unknown activation {m.activation!r}; known: {tuple(ACTIVATIONS)}")
   for field in ("dtype", "param_dtype"):
     need(m[field] in DTYPES, field, f"unknown dtype name {m[field]!r}; known: {DTYPES}")
-  need(len(m.attention_pattern) > 0, "attention_pattern", "must not be empty")
+  need(isinstance(m.attention_pattern, (tuple, list)) and len(m.attention_pattern) > 0,
+       "attention_pattern", f"must be a non-empty tuple of {ATTENTION_TYPES}, got "
+       f"{m.attention_pattern!r}")
   for kind in m.attention_pattern:
     need(kind in ATTENTION_TYPES, "attention_pattern",
          f"unknown attention type {kind!r}; known: {ATTENTION_TYPES}")
   for kind in ("local", "global"):
     fraction = m[f"rope_{kind}_fraction"]
-    need(0.0 < fraction <= 1.0, f"rope_{kind}_fraction",
-         f"must lie in (0, 1], got {fraction}")
-    need(m[f"rope_{kind}_base"] > 0, f"rope_{kind}_base", "must be positive")
-    need(m[f"rope_{kind}_scale"] > 0, f"rope_{kind}_scale", "must be positive")
+    need(_finite(fraction) and 0.0 < fraction <= 1.0, f"rope_{kind}_fraction",
+         f"must lie in (0, 1], got {fraction!r}")
+  positive = ("rope_local_base", "rope_global_base", "rope_local_scale", "rope_global_scale",
+              "norm_eps")
+  optional = ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap")
+  for field in positive + optional:
+    value = m[field]
+    if value is None and field in optional:
+      continue
+    need(_finite(value) and value > 0, field, f"must be a finite positive number"
+         f"{' or None' if field in optional else ''}, got {value!r}")
   need(m.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {m.head_dim}")
-  for field in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap"):
-    need(m[field] is None or m[field] > 0, field, f"must be positive or None, got {m[field]}")
-  need(m.norm_eps > 0, "norm_eps", f"must be positive, got {m.norm_eps}")
-  need(0.0 <= m.dropout_rate < 1.0, "dropout_rate",
-       f"must lie in [0, 1), got {m.dropout_rate}")
+  need(_finite(m.dropout_rate) and 0.0 <= m.dropout_rate < 1.0, "dropout_rate",
+       f"must lie in [0, 1), got {m.dropout_rate!r}")
   need(m.remat_policy in remat.POLICIES, "remat_policy",
        f"unknown remat policy {m.remat_policy!r}; known: {tuple(remat.POLICIES)}")
   _validate_attention_options(m, need)
@@ -279,6 +293,8 @@ def _validate_attention_options(m: config_dict.ConfigDict, need) -> None:
     need(_integer(m.global_head_dim) and m.global_head_dim > 0
          and m.global_head_dim % 2 == 0, "global_head_dim",
          f"must be a positive even integer or None, got {m.global_head_dim!r}")
+  need(isinstance(m.bidirectional_span_types, (tuple, list)), "bidirectional_span_types",
+       f"must be a tuple of {ATTENTION_TYPES}, got {m.bidirectional_span_types!r}")
   for kind in m.bidirectional_span_types:
     need(kind in ATTENTION_TYPES, "bidirectional_span_types",
          f"unknown attention type {kind!r}; known: {ATTENTION_TYPES}")
@@ -296,7 +312,8 @@ def _validate_experts(m: config_dict.ConfigDict, need) -> None:
   need(m.moe_dispatch in MOE_DISPATCHES, "moe_dispatch",
        f"unknown dispatch {m.moe_dispatch!r}; known: {MOE_DISPATCHES}")
   for field in ("load_balance_loss_weight", "router_z_loss_weight"):
-    need(m[field] >= 0, field, f"must be >= 0, got {m[field]}")
+    need(_finite(m[field]) and m[field] >= 0, field,
+         f"must be a finite number >= 0, got {m[field]!r}")
   if not m.num_experts:
     return
   need(m.block_type == "gemma4", "num_experts",
@@ -350,7 +367,8 @@ def _validate_vision(m: config_dict.ConfigDict, need) -> None:
         f"sliding_window={m.sliding_window}")
   check(v.activation in ACTIVATIONS, "activation",
         f"unknown activation {v.activation!r}; known: {tuple(ACTIVATIONS)}")
-  check(v.layer_norm_eps > 0, "layer_norm_eps", f"must be positive, got {v.layer_norm_eps}")
+  check(_finite(v.layer_norm_eps) and v.layer_norm_eps > 0, "layer_norm_eps",
+        f"must be a finite positive number, got {v.layer_norm_eps!r}")
   ids = ("boi_token_id", "eoi_token_id", "image_token_id", "double_newline_token_id")
   for i, field in enumerate(ids):
     check(_integer(v[field]) and 0 <= v[field] < m.vocab_size, field,
@@ -378,9 +396,9 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
     """interval: "(0, 1)", "[0, inf)", ... with 0, 1 or inf as bounds."""
     v = value(field)
     low, high = (float(b) for b in interval[1:-1].split(", "))
-    above = v > low if interval[0] == "(" else v >= low
-    below = v < high if interval[-1] == ")" else v <= high
-    need(above and below, field, f"must lie in {interval}, got {v!r}")
+    need(_finite(v) and (v > low if interval[0] == "(" else v >= low)
+         and (v < high if interval[-1] == ")" else v <= high), field,
+         f"must lie in {interval}, got {v!r}")
 
   need(config.data.path is None or config.data.path.strip(), "data.path",
        "must name files, or be None for the standard library corpus")
@@ -404,6 +422,8 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
   number("optimizer.eps", "(0, inf)")
   number("optimizer.weight_decay", "[0, inf)")
   number("optimizer.max_grad_norm", "[0, inf)")
+  need(isinstance(o.no_decay, (tuple, list)), "optimizer.no_decay",
+       f"must be a tuple of regexes, got {o.no_decay!r}")
   for pattern in o.no_decay:
     try:
       re.compile(pattern)

@@ -1,5 +1,7 @@
 """The config schema: locked fields, presets that validate, and named errors."""
 
+import math
+
 import pytest
 
 import gemma_jax as gj
@@ -124,7 +126,8 @@ def assign(config, path, value):
   config[field] = value
 
 
-# A bool is an int to Python: num_layers=True would build a one-layer model.
+# Values of the wrong kind. A bool is an int to Python: num_layers=True would build
+# a one-layer model.
 WRONG_KINDS = [
     ("gemma3-tiny", "model.num_layers", True, "positive integer, got True"),
     ("gemma3-tiny", "model.global_num_kv_heads", True, "positive integer or None, got True"),
@@ -138,6 +141,30 @@ WRONG_KINDS = [
     ("gemma3-tiny", "train.steps", True, "integer >= 1, got True"),
     ("gemma3-tiny", "sample.top_k", True, "integer >= 0, got True"),
     ("gemma3-tiny", "mesh.fsdp", True, "positive integer or -1, got True"),
+    # None where a number or tuple is expected used to raise a bare TypeError.
+    ("gemma3-tiny", "model.attention_pattern", None, "non-empty tuple .*, got None"),
+    ("gemma3-tiny", "model.bidirectional_span_types", None, "tuple .*, got None"),
+    ("gemma3-tiny", "model.rope_global_fraction", None, r"\(0, 1\], got None"),
+    ("gemma3-tiny", "model.rope_local_base", None, "finite positive number, got None"),
+    ("gemma3-tiny", "model.rope_local_scale", None, "finite positive number, got None"),
+    ("gemma3-tiny", "model.norm_eps", None, "finite positive number, got None"),
+    ("gemma3-tiny", "model.dropout_rate", None, r"\[0, 1\), got None"),
+    ("gemma3-tiny", "model.load_balance_loss_weight", None, "finite number >= 0, got None"),
+    ("gemma3-tiny-vision", "model.vision.layer_norm_eps", None, "finite positive number"),
+    ("gemma3-tiny", "optimizer.learning_rate", None, r"\(0, inf\), got None"),
+    ("gemma3-tiny", "optimizer.no_decay", None, "tuple of regexes, got None"),
+    ("gemma3-tiny", "train.z_loss", None, r"\[0, inf\), got None"),
+    # inf passed as positive: soft caps of inf give NaN logits (inf * tanh(x / inf)), a
+    # RoPE scale of inf stops the rotation; NaN must fail as well.
+    ("gemma3-tiny", "model.final_logit_softcap", math.inf, "finite positive number or None"),
+    ("gemma3-tiny", "model.attn_logit_softcap", math.inf, "finite positive number or None"),
+    ("gemma3-tiny", "model.query_pre_attn_scalar", math.inf, "finite positive .*, got inf"),
+    ("gemma3-tiny", "model.rope_global_scale", math.inf, "finite positive number, got inf"),
+    ("gemma3-tiny", "model.rope_global_base", math.inf, "finite positive number, got inf"),
+    ("gemma3-tiny", "model.norm_eps", math.inf, "finite positive number, got inf"),
+    ("gemma3-tiny", "model.norm_eps", math.nan, "finite positive number, got nan"),
+    ("gemma3-tiny", "model.router_z_loss_weight", math.inf, "finite number >= 0, got inf"),
+    ("gemma3-tiny-vision", "model.vision.layer_norm_eps", math.inf, "finite positive"),
 ]
 
 
