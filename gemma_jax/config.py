@@ -266,7 +266,9 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
       continue
     need(_finite(value) and value > 0, field, f"must be a finite positive number"
          f"{' or None' if field in optional else ''}, got {value!r}")
-  need(m.head_dim % 2 == 0, "head_dim", f"must be even for RoPE, got {m.head_dim}")
+  # GPT-3 has learned positions and no RoPE (models/gpt3.py), so any head_dim loads.
+  need(m.block_type == "gpt3" or m.head_dim % 2 == 0, "head_dim",
+       f"must be even for RoPE, got {m.head_dim}")
   need(_finite(m.dropout_rate) and 0.0 <= m.dropout_rate < 1.0, "dropout_rate",
        f"must lie in [0, 1), got {m.dropout_rate!r}")
   need(m.remat_policy in remat.POLICIES, "remat_policy",

@@ -2,6 +2,8 @@
 
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 import gemma_jax as gj
@@ -72,6 +74,22 @@ def test_invalid_config_names_its_field(field, value, name, message):
     gj.validate(config)
   assert error.value.field == name
   assert str(error.value).startswith(f"config.{name}:")
+
+
+def test_gpt3_head_dim_may_be_odd():
+  """GPT-3 has learned positions, no RoPE: a GPT-2 checkpoint with n_embd=21, n_head=3
+  validates and traces. RoPE families still need an even head_dim."""
+  config = gj.get_config("gpt3-52k")
+  config.model.update(d_model=21, num_heads=3, num_kv_heads=3, head_dim=7)
+  model = gj.transform(gj.validate(config))
+  tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  params = jax.eval_shape(model.init, jax.random.key(0), tokens)
+  assert jax.eval_shape(model.apply, params, tokens).shape == (1, 8, config.model.vocab_size)
+  for block_type in ("gemma3", "gemma4", "parallel"):
+    config = gj.get_config(f"{block_type}-tiny")
+    config.model.head_dim = 7
+    with pytest.raises(config_lib.ConfigError, match="even for RoPE, got 7"):
+      gj.validate(config)
 
 
 def test_transform_validates_before_building():
