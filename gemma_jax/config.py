@@ -239,6 +239,8 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
                 "num_kv_heads", "head_dim", "mlp_dim", "sliding_window"):
     value = m[field]
     need(_integer(value) and value > 0, field, f"must be a positive integer, got {value!r}")
+  need(m.vocab_size < 2**31, "vocab_size",
+       f"token ids are int32: must be below 2**31, got {m.vocab_size}")
   need(m.num_heads % m.num_kv_heads == 0, "num_kv_heads",
        f"num_heads={m.num_heads} is not divisible by num_kv_heads={m.num_kv_heads}")
   need(m.block_type in BLOCK_TYPES, "block_type",

@@ -56,6 +56,7 @@ INVALID = [
     ("dropout_rate", 1.0, "model.dropout_rate", r"\[0, 1\)"),
     ("norm_eps", 0.0, "model.norm_eps", "positive"),
     ("attention_kernel", "flash", "model.attention_kernel", "unknown kernel"),
+    ("vocab_size", 2**31, "model.vocab_size", r"int32: must be below 2\*\*31"),
 ]
 
 
