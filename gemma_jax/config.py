@@ -335,7 +335,9 @@ def _validate_embeddings_and_gpt3(config: config_dict.ConfigDict, need) -> None:
   size = m.trainable_position_size
   need(_integer(size) and size >= 0, "trainable_position_size",
        f"must be an integer >= 0, got {size!r}")
-  need(not size or size >= config.data.seq_len, "trainable_position_size",
+  # A seq_len that is no integer is named by _validate_training.
+  need(not size or not _integer(config.data.seq_len) or size >= config.data.seq_len,
+       "trainable_position_size",
        f"{size} positions do not cover data.seq_len={config.data.seq_len}")
   need(not m.sinusoidal_position_embedding or m.d_model % 2 == 0,
        "sinusoidal_position_embedding", f"needs an even d_model, got {m.d_model}")

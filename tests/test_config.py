@@ -173,6 +173,7 @@ WRONG_KINDS = [
     ("gemma3-tiny", "optimizer.learning_rate", None, r"\(0, inf\), got None"),
     ("gemma3-tiny", "optimizer.no_decay", None, "tuple of regexes, got None"),
     ("gemma3-tiny", "train.z_loss", None, r"\[0, inf\), got None"),
+    ("gpt3-52k", "data.seq_len", None, "integer >= 2, got None"),
     # inf passed as positive: soft caps of inf give NaN logits (inf * tanh(x / inf)), a
     # RoPE scale of inf stops the rotation; NaN must fail as well.
     ("gemma3-tiny", "model.final_logit_softcap", math.inf, "finite positive number or None"),
