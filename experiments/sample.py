@@ -74,7 +74,7 @@ def _load():
     if _CONFIG.value is None:
       raise ValueError("--workdir needs the --config the run was trained with")
     config, params = _from_workdir(_CONFIG.value, _WORKDIR.value)
-    return config, params, _TOKENIZER.value or config.data.tokenizer
+    return config, params, _TOKENIZER.value or config.data.tokenizer or "byte"
   config, params = gj.hf.load(_HF_DIR.value)
   return config, params, _TOKENIZER.value or os.path.join(_HF_DIR.value, "tokenizer.model")
 

@@ -20,6 +20,7 @@ BLOCK_TYPES = ("gemma3", "gemma4", "gpt3", "parallel")
 MOE_DISPATCHES = ("auto", "ragged", "loop", "gather", "dense")
 ATTENTION_KERNELS = ("einsum", "jax")
 DTYPES = ("float32", "bfloat16", "float16")
+DATA_FORMATS = ("auto", "text", "chat")
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # Rows of a batch split over every mesh axis that does not split the model's width.
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -144,7 +145,12 @@ def data_config() -> config_dict.ConfigDict:
   # Comma-separated globs of .txt/.jsonl files; None: the Python standard library source.
   c.path = config_dict.placeholder(str)
   c.text_field = "text"                   # key of a document's text in each JSONL line
-  c.tokenizer = "byte"                    # "byte", or the path of a SentencePiece .model
+  # "byte"; a SentencePiece .model, a tokenizers tokenizer.json, or a directory holding one
+  # (a transformers checkpoint); None: train.init_from's directory when it holds one, else byte.
+  c.tokenizer = config_dict.placeholder(str)
+  # DATA_FORMATS: "text" documents; "chat" JSONL lines of "messages" ({role, content} turns,
+  # the loss on the model's turns only); "auto": chat where a JSONL line holds "messages".
+  c.format = "auto"
   c.seq_len = 256                         # T, tokens in one packed row
   c.eval_fraction = 0.01                  # fraction of the tokens held out for eval
   return c
@@ -178,6 +184,21 @@ def train_config() -> config_dict.ConfigDict:
   c.eval_batches = 8                      # batches of batch_size eval rows per evaluation
   c.peak_flops = 0.0                      # device peak FLOP/s for MFU; 0: time a matmul
   c.progress_bar = True                   # a progress bar with ETA on stderr
+  # Start from these weights (the optimizer starts fresh): a transformers save_pretrained
+  # directory or a training workdir. The model section comes from the checkpoint.
+  c.init_from = config_dict.placeholder(str)
+  return c
+
+
+def lora_config() -> config_dict.ConfigDict:
+  """Low-rank adapters (gemma_jax.lora): W x + (alpha / rank) B A x on the targeted kernels,
+  the base weights frozen."""
+  c = config_dict.ConfigDict()
+  c.rank = 0                              # r, adapter rank; 0: no adapters (full fine-tuning)
+  c.alpha = 16.0                          # the adapters' output is scaled by alpha / rank
+  c.dropout = 0.0                         # dropout on the adapters' input while training
+  # Regexes on parameter paths ("blocks/layer_0/attn/q/kernel"): the kernels given adapters.
+  c.targets = (r"attn/(q|k|v|out)/kernel$", r"mlp/(gate|up|down)/kernel$")
   return c
 
 
@@ -219,6 +240,7 @@ def default_config() -> config_dict.ConfigDict:
   c.data = data_config()
   c.optimizer = optimizer_config()
   c.train = train_config()
+  c.lora = lora_config()
   c.checkpoint = checkpoint_config()
   c.sample = sample_config()
   c.mesh = mesh_config()
@@ -408,8 +430,14 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
 
   need(config.data.path is None or config.data.path.strip(), "data.path",
        "must name files, or be None for the standard library corpus")
-  need(bool(config.data.tokenizer), "data.tokenizer",
-       "must be 'byte' or the path of a SentencePiece model")
+  need(config.data.tokenizer is None or (isinstance(config.data.tokenizer, str)
+                                         and config.data.tokenizer.strip()), "data.tokenizer",
+       "must be 'byte', a tokenizer file or directory, or None (init_from's, else byte)")
+  need(config.data.format in DATA_FORMATS, "data.format",
+       f"unknown format {config.data.format!r}; known: {DATA_FORMATS}")
+  need(config.train.init_from is None or (isinstance(config.train.init_from, str)
+                                          and config.train.init_from.strip()),
+       "train.init_from", "must name a transformers directory or a workdir, or be None")
   integer("data.seq_len", 2)
   number("data.eval_fraction", "(0, 1)")
 
@@ -445,6 +473,17 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
   integer("train.eval_every", 0)
   integer("train.eval_batches", 1)
   number("train.peak_flops", "[0, inf)")
+
+  integer("lora.rank", 0)
+  number("lora.alpha", "(0, inf)")
+  number("lora.dropout", "[0, 1)")
+  need(isinstance(config.lora.targets, (tuple, list)) and len(config.lora.targets) > 0,
+       "lora.targets", f"must be a non-empty tuple of regexes, got {config.lora.targets!r}")
+  for pattern in config.lora.targets:
+    try:
+      re.compile(pattern)
+    except (re.error, TypeError) as error:
+      raise ConfigError("lora.targets", f"{pattern!r} is not a regex: {error}") from None
 
   integer("checkpoint.save_every", 1)
   integer("checkpoint.keep", 1)

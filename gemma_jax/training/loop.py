@@ -141,7 +141,7 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
   # Evaluation runs in micro-batches too: they are what fits in memory.
   accum = config.optimizer.grad_accum_steps
   sharding.check_batch_rows(t.batch_size // accum, dict(mesh.shape))
-  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
+  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer or "byte", config.model.vocab_size)
   config_lib.check_sample_fits(config, 1 + len(tokenizer.encode([config.sample.prompt])[0]))
   train_rows, eval_rows = data.load_splits(config.data, tokenizer, config.seed)
   batches = data.TrainBatches(train_rows, t.batch_size, config.seed)
