@@ -489,6 +489,22 @@ def _unrolled_shapes(config: config_dict.ConfigDict) -> dict:
   return jax.eval_shape(transform(unrolled).init, jax.random.key(0), tokens)
 
 
+def load_config(path: str) -> config_dict.ConfigDict:
+  """The config of the transformers directory `path` (from its config.json), without
+  reading any weights."""
+  file = os.path.join(path, "config.json")
+  try:
+    with open(file) as f:
+      hf_config = json.load(f)
+  except OSError as error:
+    raise CheckpointError(f"{file}: cannot be read ({error.strerror})") from None
+  except ValueError as error:
+    raise CheckpointError(f"{file}: not JSON ({error})") from None
+  if not isinstance(hf_config, dict):
+    raise CheckpointError(f"{file}: not a JSON object")
+  return _family(hf_config.get("model_type") == "gpt2").config_from_hf(hf_config)
+
+
 def load(path: str, *, param_dtype: str = "float32",
          scan_layers: bool = True) -> Tuple[config_dict.ConfigDict, dict]:
   """Reads a transformers save_pretrained directory -> (config, params).
@@ -498,14 +514,12 @@ def load(path: str, *, param_dtype: str = "float32",
     param_dtype: dtype of the returned parameters (and config.model.param_dtype).
     scan_layers: parameter layout to return (config.model.scan_layers).
   """
-  with open(os.path.join(path, "config.json")) as f:
-    hf_config = json.load(f)
-  family = _family(hf_config.get("model_type") == "gpt2")
-  config = family.config_from_hf(hf_config)
+  config = load_config(path)
   config.model.param_dtype = param_dtype
   config.model.scan_layers = scan_layers
   config_lib.validate(config)
 
+  family = _family(config.model.block_type == "gpt3")
   tensors, unexpected = family.model_tensors(_read_tensors(path))
   if not config.model.vision.enabled:   # e.g. Gemma 4's tower: the text part is read
     tensors = {k: v for k, v in tensors.items() if not hf_vision.canonical_name(k)}
@@ -598,8 +612,13 @@ def _link_or_copy(src: str, dst: str) -> None:
     _fsync(dst)
 
 
-def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
+def save(path: str, config: config_dict.ConfigDict, params: dict, *,
+         write_extra: Optional[Callable[[str], None]] = None) -> None:
   """Writes config.json and model.safetensors that transformers' from_pretrained reads.
+
+  `write_extra(directory)`, if given, writes more files (tokenizer, generation config)
+  into the new checkpoint before it is moved into place; they replace files of the same
+  name in `path`.
 
   The directory is written and synced to disk next to `path`, then moved into place
   (`_move_into_place`), so an existing checkpoint at `path` is only replaced by a whole
@@ -632,10 +651,14 @@ def save(path: str, config: config_dict.ConfigDict, params: dict) -> None:
       f.flush()
       os.fsync(f.fileno())
     safetensors_io.write(os.path.join(staging, "model.safetensors"), tensors)  # synced
+    if write_extra is not None:
+      write_extra(staging)
+    written = set(os.listdir(staging))
     if os.path.isdir(path):
       shutil.copytree(path, staging, symlinks=True, copy_function=_link_or_copy,
                       dirs_exist_ok=True, ignore=lambda folder, names: [
-                          n for n in names if folder == path and _REPLACED.fullmatch(n)])
+                          n for n in names if folder == path and (
+                              _REPLACED.fullmatch(n) or n in written)])
     for folder, _, _ in os.walk(staging):
       _fsync(folder)
     _move_into_place(staging, path)

@@ -20,8 +20,10 @@ import tqdm
 
 from gemma_jax import config as config_lib
 from gemma_jax import sharding, transformer
+from gemma_jax import workdir as workdir_lib
 from gemma_jax.inference import sampler
-from gemma_jax.training import checkpoints, data, flops, metrics, optimizer, steps, tokenizers
+from gemma_jax.training import (checkpoints, data, flops, init_from, metrics, optimizer, steps,
+                                tokenizers)
 
 SAMPLE_FILE = "sample.txt"
 
@@ -90,9 +92,9 @@ def _check_finite(pending: List[Tuple[int, dict]], checkpointer, directory) -> L
   return [values for _, values in fetched]
 
 
-def _evaluate(eval_step, params, batches: List[dict]) -> float:
+def _evaluate(eval_step, params, batches: List[dict], frozen) -> float:
   """Mean cross-entropy over the eval batches' weighted tokens."""
-  sums = jax.device_get([eval_step(params, batch) for batch in batches])
+  sums = jax.device_get([eval_step(params, batch, frozen) for batch in batches])
   return float(sum(s.cross_entropy for s in sums) / max(sum(s.weight for s in sums), 1.0))
 
 
@@ -122,8 +124,37 @@ def _log_line(step: int, total: int, record: Dict[str, float]) -> str:
   return f"step {step}/{total} | " + " | ".join(fields)
 
 
-def train(config: config_dict.ConfigDict, workdir: str) -> dict:
+def _tokenizer_name(config: config_dict.ConfigDict) -> str:
+  """data.tokenizer, or the tokenizer of the checkpoint train.init_from names (its
+  directory's files, or the workdir's tokenizer), else "byte"."""
+  if config.data.tokenizer:
+    return config.data.tokenizer
+  path = config.train.init_from
+  if path and workdir_lib.is_workdir(path):
+    return workdir_lib.load_config(path).data.tokenizer or "byte"
+  if path and any(os.path.isfile(os.path.join(path, name))
+                  for name in ("tokenizer.json", "tokenizer.model")):
+    return path
+  return "byte"
+
+
+def _frozen_base(config: config_dict.ConfigDict, base_shardings):
+  """The weights LoRA adapts, laid out by `base_shardings`: train.init_from's."""
+  if not config.train.init_from:
+    raise config_lib.ConfigError("lora.rank", "LoRA adapts pretrained weights: set "
+                                 "train.init_from to a transformers directory or a workdir")
+  return init_from.base_params(config, base_shardings)
+
+
+def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -> dict:
   """Trains (or resumes training) and returns a summary.
+
+  With `config.train.init_from` the model section comes from that checkpoint (see
+  `init_from.resolve`; `model_overrides` are the model fields the user set, which must
+  be compute options or agree with it) and training starts from its weights with a
+  fresh optimizer; with `config.lora.rank` > 0 only LoRA adapters are trained over
+  those frozen weights. A workdir that has checkpoints resumes instead. The resolved
+  config is saved as WORKDIR/config.json; one run at a time holds the workdir.
 
   Returns:
     dict with "step" (reached), "stopped_by" (a signal name, or None), and when the
@@ -136,12 +167,25 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
       written from that step on.
   """
   config_lib.validate(config)
+  config = init_from.resolve(config, model_overrides)
+  with config.unlocked():
+    config.data.tokenizer = _tokenizer_name(config)
+  config_lib.validate(config)
+  if config.lora.rank:
+    from gemma_jax import lora  # pylint: disable=import-outside-toplevel  (imports transformer)
+    lora.check_targets(config)
+  with workdir_lib.lock(workdir):
+    return _train(config, workdir)
+
+
+def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
+  """`train` once the config is resolved and the workdir held."""
   t = config.train
   mesh = sharding.make_mesh(config.mesh)
   # Evaluation runs in micro-batches too: they are what fits in memory.
   accum = config.optimizer.grad_accum_steps
   sharding.check_batch_rows(t.batch_size // accum, dict(mesh.shape))
-  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer or "byte", config.model.vocab_size)
+  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
   config_lib.check_sample_fits(config, 1 + len(tokenizer.encode([config.sample.prompt])[0]))
   train_rows, eval_rows = data.load_splits(config.data, tokenizer, config.seed)
   batches = data.TrainBatches(train_rows, t.batch_size, config.seed)
@@ -150,37 +194,66 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
   _say(f"data: {len(train_rows)} train rows, {len(eval_rows)} eval rows of "
        f"{config.data.seq_len} tokens; eval unigram entropy {entropy:.4f} nats/token")
 
-  os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    config_file = workdir_lib.save_config(workdir, config)
   model = transformer.transform(config)
-  forward = steps.model_forward(model)
   schedule = optimizer.learning_rate_schedule(config.optimizer, t.steps)
   tx = optimizer.make_optimizer(config.optimizer, schedule)
-  init = lambda: steps.init_state(model, tx, config.seed, config.data.seq_len)
+  trained = steps.trained_part(config)
+  init = lambda: steps.init_state(model, tx, config.seed, config.data.seq_len, trained)
   state_shardings = steps.state_shardings(config, tx, jax.eval_shape(init), mesh)
   batch_sharding = sharding.batch_sharding(mesh)
   eval_set = [sharding.global_batch(batch, mesh) for batch in local_eval_set]
-  checkpoint_dir = os.path.join(os.path.abspath(workdir), "checkpoints")
+  checkpoint_dir = workdir_lib.checkpoint_dir(workdir)
   checkpointer = checkpoints.Checkpointer(checkpoint_dir, config.checkpoint.keep)
+  # Trained params combined with the frozen ones (a LoRA run's base; else nothing).
+  if config.lora.rank:
+    from gemma_jax import lora  # pylint: disable=import-outside-toplevel  (imports transformer)
+    combine = lora.combine
+    frozen_shardings = lora.split(sharding.param_shardings(config, mesh))[0]
+  else:
+    combine = lambda frozen, params: params
+    frozen_shardings = {}
+  forward = steps.model_forward(model)
 
   with sharding.activate(mesh):
     init = jax.jit(init, out_shardings=state_shardings)
-    if checkpointer.latest_step() is None:
-      state = init()
-    else:
+    frozen = {}
+    if config.lora.rank:
+      frozen = _frozen_base(config, frozen_shardings)
+    if checkpointer.latest_step() is not None:
       state, data_state = checkpointer.restore(jax.eval_shape(init))
       batches.restore(data_state)
-      _say(f"resumed from step {int(state.step)} in {checkpoint_dir}")
+      _say(f"resumed from step {int(state.step)} in {checkpoint_dir}"
+           + (" (train.init_from is read only for a new run)" if t.init_from else ""))
+    elif t.init_from and not config.lora.rank:
+      params = init_from.base_params(config, state_shardings.params)
+      state = jax.jit(lambda params: init()._replace(params=params, opt_state=tx.init(params)),
+                      out_shardings=state_shardings)(params)
+      _say(f"starting from the weights of {t.init_from}")
+    else:
+      state = init()
+      if t.init_from:
+        _say(f"LoRA (rank {config.lora.rank}) over the frozen weights of {t.init_from}")
+
+    def train_step(state, batch, frozen):
+      step_forward = lambda params, batch, rng: forward(combine(frozen, params), batch, rng)
+      return steps.make_train_step(step_forward, tx, schedule, grad_accum_steps=accum,
+                                   z_loss=t.z_loss)(state, batch)
+
+    def eval_step(params, batch, frozen):
+      return steps.make_eval_step(forward)(combine(frozen, params), batch)
 
     start = time.perf_counter()
     train_step = jax.jit(
-        steps.make_train_step(forward, tx, schedule, grad_accum_steps=accum, z_loss=t.z_loss),
-        in_shardings=(state_shardings, batch_sharding),
+        train_step, in_shardings=(state_shardings, batch_sharding, frozen_shardings),
         out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0,
-    ).lower(state, sharding.global_batch(batches.batch(batches.next_batch), mesh)).compile()
-    eval_step = jax.jit(steps.make_eval_step(forward),
-                        in_shardings=(state_shardings.params, batch_sharding),
+    ).lower(state, sharding.global_batch(batches.batch(batches.next_batch), mesh),
+            frozen).compile()
+    eval_step = jax.jit(eval_step,
+                        in_shardings=(state_shardings.params, batch_sharding, frozen_shardings),
                         out_shardings=sharding.replicated(mesh)).lower(
-                            state.params, eval_set[0]).compile()
+                            state.params, eval_set[0], frozen).compile()
   _say(f"compiled the train and eval steps in {time.perf_counter() - start:.1f}s")
 
   tokens_per_step = t.batch_size * config.data.seq_len
@@ -198,7 +271,8 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
   try:
     with StopSignal() as stop:
       while step < t.steps and not stop.requested:
-        state, step_metrics = train_step(state, sharding.global_batch(next(batches), mesh))
+        state, step_metrics = train_step(state, sharding.global_batch(next(batches), mesh),
+                                         frozen)
         step += 1
         pending.append((step, step_metrics))
         bar.update()
@@ -216,7 +290,7 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
                                  flops_per_token, peak)
           unlogged, seconds = [], 0.0
           if evaluate:
-            record["eval_loss"] = _evaluate(eval_step, state.params, eval_set)
+            record["eval_loss"] = _evaluate(eval_step, state.params, eval_set, frozen)
             last_eval = (step, record["eval_loss"])
           if done:
             record["unigram_entropy"] = entropy
@@ -240,18 +314,27 @@ def train(config: config_dict.ConfigDict, workdir: str) -> dict:
          f"{checkpoint_dir}")
     return summary
   if last_eval is None or last_eval[0] != step:
-    last_eval = (step, _evaluate(eval_step, state.params, eval_set))
+    last_eval = (step, _evaluate(eval_step, state.params, eval_set, frozen))
   eval_loss = last_eval[1]
   summary.update(eval_loss=eval_loss, unigram_entropy=entropy, sample=None)
   _say(final_report(eval_loss, entropy))
   if jax.process_index() == 0:
     metrics.plot_losses(metrics.read_records(workdir), os.path.join(workdir, metrics.PLOT_FILE),
                         reference=entropy)
+  written = {"config": config_file, "checkpoints": checkpoint_dir,
+             "metrics": os.path.join(workdir, metrics.METRICS_FILE),
+             "plot": os.path.join(workdir, metrics.PLOT_FILE)} if jax.process_index() == 0 else {}
   if config.sample.max_new_tokens:
+    sample_config, params = config, combine(frozen, state.params)
+    if config.lora.rank:
+      sample_config, params = lora.merge(config, params)
     with sharding.activate(mesh):
-      summary["sample"] = _generate(config, state.params, tokenizer)
+      summary["sample"] = _generate(sample_config, params, tokenizer)
     _say(f"sample: {summary['sample']!r}")
     if jax.process_index() == 0:
-      with open(os.path.join(workdir, SAMPLE_FILE), "w", encoding="utf-8") as f:
+      written["sample"] = os.path.join(workdir, SAMPLE_FILE)
+      with open(written["sample"], "w", encoding="utf-8") as f:
         f.write(summary["sample"])
+  for what, path in written.items():
+    _say(f"{what:>11}: {path}")
   return summary

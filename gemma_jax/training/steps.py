@@ -53,19 +53,32 @@ def model_forward(model: Transformed) -> Forward:
   return forward
 
 
+def trained_part(config) -> Callable[[Any], Any]:
+  """params -> the part of them a run trains: the LoRA adapters (`config.lora.rank` > 0),
+  else all of them."""
+  if not config.lora.rank:
+    return lambda params: params
+  from gemma_jax import lora  # pylint: disable=import-outside-toplevel  (imports transformer)
+  return lambda params: lora.split(params)[1]
+
+
 def init_state(model: Transformed, optimizer: optax.GradientTransformation, seed: int,
-               seq_len: int) -> TrainState:
-  """Fresh parameters and optimizer state; parameters and dropout keys from `seed`."""
+               seq_len: int, trained: Callable[[Any], Any] = lambda params: params
+               ) -> TrainState:
+  """Fresh trained parameters (`trained` of the model's, see `trained_part`; under jit
+  the rest is never computed) and their optimizer state; parameters and dropout keys
+  from `seed`."""
   param_rng, dropout_rng = jax.random.split(jax.random.key(seed))
-  params = model.init(param_rng, jnp.zeros((1, seq_len), jnp.int32))
+  params = trained(model.init(param_rng, jnp.zeros((1, seq_len), jnp.int32)))
   return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), dropout_rng)
 
 
 def state_shardings(config, optimizer: optax.GradientTransformation, abstract: TrainState,
                     mesh: jax.sharding.Mesh) -> TrainState:
-  """Where each part of a train state lives on `mesh`: parameters and their optimizer
-  slots by the sharding rules, the step, counts and the key replicated."""
-  params = sharding.param_shardings(config, mesh)
+  """Where each part of a train state lives on `mesh`: parameters (the trained part,
+  see `trained_part`) and their optimizer slots by the sharding rules, the step, counts
+  and the key replicated."""
+  params = trained_part(config)(sharding.param_shardings(config, mesh))
   replicated = sharding.replicated(mesh)
   opt_state = sharding.optimizer_state_shardings(optimizer, abstract.opt_state, params, mesh)
   return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated)

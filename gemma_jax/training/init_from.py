@@ -1,0 +1,121 @@
+"""Starting a run from published or trained weights (`config.train.init_from`), and
+reading a workdir's weights back.
+
+A run that starts from a checkpoint takes its model section from it: a transformers
+save_pretrained directory (`gemma_jax.hf`) or a training workdir. The compute options
+below may still be set; any other model field set to a value the checkpoint contradicts
+is a ConfigError naming it.
+"""
+
+import os
+from typing import Collection, Tuple
+
+import jax
+from ml_collections import config_dict
+
+from gemma_jax import hf, transformer
+from gemma_jax import workdir as workdir_lib
+from gemma_jax.config import ConfigError
+from gemma_jax.training import checkpoints, optimizer, steps
+
+# Model fields that change how the model is computed, not what it computes.
+COMPUTE_FIELDS = ("name", "dtype", "param_dtype", "scan_layers", "remat_policy",
+                  "attention_kernel", "moe_dispatch", "dropout_rate",
+                  "record_internal_nn_metrics", "cast_logits_to_float32",
+                  "load_balance_loss_weight", "router_z_loss_weight")
+
+
+def _kind(path: str) -> str:
+  """"workdir" or "hf"; a ConfigError naming train.init_from for anything else."""
+  if workdir_lib.is_workdir(path):
+    return "workdir"
+  if os.path.isfile(os.path.join(path, "config.json")):
+    return "hf"
+  raise ConfigError("train.init_from", f"{path!r} is neither a transformers directory "
+                    "(config.json and *.safetensors) nor a training workdir (config.json and "
+                    "checkpoints/)")
+
+
+def checkpoint_model(path: str) -> config_dict.ConfigDict:
+  """The model section of the checkpoint at `path` (adapters, if any, count as merged)."""
+  if _kind(path) == "workdir":
+    return workdir_lib.load_config(path).model
+  try:
+    return hf.load_config(path).model
+  except hf.CheckpointError as error:
+    raise ConfigError("train.init_from", str(error)) from None
+
+
+def resolve(config: config_dict.ConfigDict,
+            overridden: Collection[str] = ()) -> config_dict.ConfigDict:
+  """The config with its model section taken from `config.train.init_from` (when set),
+  keeping the config's COMPUTE_FIELDS.
+
+  Args:
+    overridden: model field names the user set explicitly (e.g. as
+      --config.model.<name> flags); one that is no compute option and differs from the
+      checkpoint is a ConfigError naming it.
+  """
+  path = config.train.init_from
+  if not path:
+    return config
+  source = checkpoint_model(path)
+  for field in overridden:
+    if field not in COMPUTE_FIELDS and config.model[field] != source[field]:
+      raise ConfigError(f"model.{field}", f"{config.model[field]!r} contradicts the checkpoint "
+                        f"{path} ({source[field]!r}); from a checkpoint only the compute "
+                        f"options may be set: {', '.join(COMPUTE_FIELDS[1:])}")
+  resolved = config_dict.ConfigDict(config.to_dict())
+  resolved.model = config_dict.ConfigDict(source.to_dict())
+  for field in COMPUTE_FIELDS:
+    resolved.model[field] = config.model[field]
+  resolved.train.init_from = os.path.abspath(path)
+  return workdir_lib.config_from_dict(resolved.to_dict())
+
+
+def restore_params(config: config_dict.ConfigDict, workdir: str):
+  """The parameters of a workdir's latest checkpoint as trained (with LoRA, the adapters
+  alone), on the default device."""
+  model = transformer.transform(config)
+  tx = optimizer.make_optimizer(
+      config.optimizer, optimizer.learning_rate_schedule(config.optimizer, config.train.steps))
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  like = jax.tree.map(
+      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
+      jax.eval_shape(lambda: steps.init_state(model, tx, config.seed, config.data.seq_len,
+                                              trained=steps.trained_part(config))))
+  directory = workdir_lib.checkpoint_dir(workdir)
+  checkpointer = checkpoints.Checkpointer(directory, config.checkpoint.keep)
+  try:
+    if checkpointer.latest_step() is None:
+      raise workdir_lib.WorkdirError(f"{workdir}: no checkpoint in {directory} yet")
+    state, _ = checkpointer.restore(like)
+  finally:
+    checkpointer.close()
+  return state.params
+
+
+def base_params(config: config_dict.ConfigDict, shardings=None) -> dict:
+  """The weights `config.train.init_from` names, whole (a LoRA workdir's adapters merged),
+  in the config's layout and param_dtype, laid out by `shardings` when given."""
+  path = config.train.init_from
+  if _kind(path) == "workdir":
+    _, params = merged(workdir_lib.load_config(path), path)
+  else:
+    try:
+      _, params = hf.load(path, param_dtype=config.model.param_dtype,
+                          scan_layers=config.model.scan_layers)
+    except hf.CheckpointError as error:
+      raise ConfigError("train.init_from", str(error)) from None
+  params = jax.tree.map(lambda a: a.astype(config.model.param_dtype), params)
+  return params if shardings is None else jax.device_put(params, shardings)
+
+
+def merged(config: config_dict.ConfigDict, workdir: str) -> Tuple[config_dict.ConfigDict, dict]:
+  """(config, params) of a workdir's latest checkpoint as one model: a LoRA run's
+  adapters merged into the base it started from (and lora.rank 0 in the config)."""
+  trained = restore_params(config, workdir)
+  if not config.lora.rank:
+    return config, trained
+  from gemma_jax import lora  # pylint: disable=import-outside-toplevel  (imports transformer)
+  return lora.merge(config, lora.combine(base_params(config), trained))

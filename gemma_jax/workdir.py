@@ -1,0 +1,134 @@
+"""A training workdir: the config it was run with, the lock of the run using it, and the
+model apps read back from it.
+
+    WORKDIR/config.json     the resolved config, written when a run starts
+    WORKDIR/checkpoints/    orbax checkpoints by step (gemma_jax.training.checkpoints)
+    WORKDIR/.lock           held (flock) by the one process training in it
+
+`load_model(workdir=...)` or `load_model(hf_dir=...)` is what sample, eval, chat and
+export read: the config, the parameters (LoRA adapters merged into their base) and the
+tokenizer.
+"""
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import tempfile
+from typing import Any, NamedTuple, Optional
+
+from ml_collections import config_dict
+
+from gemma_jax import config as config_lib
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_DIR = "checkpoints"
+LOCK_FILE = ".lock"
+
+
+class WorkdirError(ValueError):
+  """A workdir is missing what was asked of it, or is in use by another run."""
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+
+
+def is_workdir(path: str) -> bool:
+  """Whether `path` holds a training run's config (a transformers directory does not)."""
+  return os.path.isfile(os.path.join(path, CONFIG_FILE)) and os.path.isdir(
+      os.path.join(path, CHECKPOINT_DIR))
+
+
+def save_config(workdir: str, config: config_dict.ConfigDict) -> str:
+  """Writes the config to WORKDIR/config.json atomically; returns the path."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  fd, staging = tempfile.mkstemp(dir=workdir, prefix=".config-", suffix=".json")
+  with os.fdopen(fd, "w") as f:
+    json.dump(config.to_dict(), f, indent=2, sort_keys=True)
+    f.write("\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(staging, path)
+  return path
+
+
+def _update(target: config_dict.ConfigDict, values: dict, where: str) -> None:
+  """Sets `values` onto the locked schema section `target`; lists become tuples where
+  the schema holds a tuple."""
+  for key, value in values.items():
+    if key not in target:
+      raise WorkdirError(f"{where}: config field {key!r} is not in this version's schema")
+    if isinstance(target[key], config_dict.ConfigDict):
+      _update(target[key], value, f"{where}.{key}")
+    else:
+      target[key] = tuple(value) if isinstance(target[key], tuple) else value
+
+
+def config_from_dict(values: dict, where: str = "config") -> config_dict.ConfigDict:
+  """A dict of `config.to_dict()` -> a locked config on the current schema."""
+  config = config_lib.default_config()
+  _update(config, values, where)
+  return config
+
+
+def load_config(workdir: str) -> config_dict.ConfigDict:
+  """The config a run in `workdir` was started with (WORKDIR/config.json)."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise WorkdirError(f"{path}: no such file: {workdir!r} is not a training workdir (or "
+                       "its run predates saved configs)")
+  with open(path) as f:
+    try:
+      values = json.load(f)
+    except ValueError as error:
+      raise WorkdirError(f"{path}: not JSON ({error})") from None
+  return config_from_dict(values, path)
+
+
+@contextlib.contextmanager
+def lock(workdir: str):
+  """Holds WORKDIR/.lock for one run. A second run on the same workdir is refused with a
+  WorkdirError naming the process holding it; the kernel drops the lock when its holder
+  exits, however it exits, so a dead run leaves none behind."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, LOCK_FILE)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "another process"
+      raise WorkdirError(f"{os.path.abspath(workdir)} is in use by {holder}: one run at a "
+                         "time per workdir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    yield
+  finally:
+    os.close(fd)   # releases the flock
+
+
+class Loaded(NamedTuple):
+  """What an app needs of a model: its config, parameters and tokenizer."""
+  config: config_dict.ConfigDict
+  params: Any
+  tokenizer: Any
+
+
+def load_model(*, workdir: Optional[str] = None, hf_dir: Optional[str] = None,
+               tokenizer: Optional[str] = None) -> Loaded:
+  """A workdir's latest checkpoint (LoRA adapters merged into their base) or a
+  transformers directory, with its tokenizer ("byte", a file or a directory; default:
+  the workdir config's data.tokenizer, or the transformers directory's own files)."""
+  # Imported here: the training stack is heavy and this module is imported by it.
+  from gemma_jax.training import restore, tokenizers  # pylint: disable=import-outside-toplevel
+  if (workdir is None) == (hf_dir is None):
+    raise WorkdirError("give exactly one of a workdir and a transformers directory")
+  if workdir is not None:
+    config, params = restore.merged_params(load_config(workdir), workdir)
+    name = tokenizer or config.data.tokenizer or "byte"
+  else:
+    config, params = restore.from_hf(hf_dir)
+    name = tokenizer or hf_dir
+  return Loaded(config, params, tokenizers.get_tokenizer(name, config.model.vocab_size))
