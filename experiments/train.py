@@ -7,9 +7,15 @@ r"""Trains a model from a config file: the first command to run.
 On several devices add mesh sizes (--config.mesh.fsdp=4 --config.mesh.tensor=2); on
 several hosts run the same command on each (see the README). Resumes from the
 workdir's latest checkpoint. SIGTERM or Ctrl-C saves a checkpoint and
-exits cleanly. A bad config, missing data or a diverging loss ends with one error line.
+exits cleanly. Start from published or trained weights, with LoRA if wanted:
+
+    python experiments/train.py --config=configs/gemma3_tiny_lora.py --workdir=runs/lora \
+        --config.train.init_from=runs/tiny_hf --config.data.path=configs/data/chat_small.jsonl
+
+A bad config, missing data, a workdir in use or a diverging loss ends with one error line.
 """
 
+import re
 import sys
 
 from absl import app
@@ -19,6 +25,7 @@ from ml_collections import config_flags
 
 from gemma_jax import host_memory, sharding
 from gemma_jax.config import ConfigError
+from gemma_jax.workdir import WorkdirError
 from gemma_jax.training import loop
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
@@ -38,10 +45,13 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   if _KEEP_FREED.value:
     host_memory.keep_freed_memory()
+  # Model fields set on the command line: from a checkpoint only compute options may be.
+  overridden = {m.group(1) for m in map(re.compile(r"--config\.model\.(\w+)").match, sys.argv)
+                if m}
   try:
     sharding.maybe_initialize_distributed(_CONFIG.value.mesh)
-    loop.train(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, loop.TrainingDiverged) as error:
+    loop.train(_CONFIG.value, _WORKDIR.value, model_overrides=overridden)
+  except (ConfigError, WorkdirError, loop.TrainingDiverged) as error:
     sys.exit(f"train.py: error: {error}")
 
 
