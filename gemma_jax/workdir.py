@@ -121,14 +121,15 @@ def load_model(*, workdir: Optional[str] = None, hf_dir: Optional[str] = None,
   """A workdir's latest checkpoint (LoRA adapters merged into their base) or a
   transformers directory, with its tokenizer ("byte", a file or a directory; default:
   the workdir config's data.tokenizer, or the transformers directory's own files)."""
-  # Imported here: the training stack is heavy and this module is imported by it.
-  from gemma_jax.training import restore, tokenizers  # pylint: disable=import-outside-toplevel
+  # Imported here: the training stack imports this module.
+  from gemma_jax import hf  # pylint: disable=import-outside-toplevel
+  from gemma_jax.training import init_from, tokenizers  # pylint: disable=import-outside-toplevel
   if (workdir is None) == (hf_dir is None):
     raise WorkdirError("give exactly one of a workdir and a transformers directory")
   if workdir is not None:
-    config, params = restore.merged_params(load_config(workdir), workdir)
+    config, params = init_from.merged(load_config(workdir), workdir)
     name = tokenizer or config.data.tokenizer or "byte"
   else:
-    config, params = restore.from_hf(hf_dir)
+    config, params = hf.load(hf_dir)
     name = tokenizer or hf_dir
   return Loaded(config, params, tokenizers.get_tokenizer(name, config.model.vocab_size))

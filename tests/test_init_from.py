@@ -1,0 +1,178 @@
+"""Runs that start from a checkpoint (train.init_from), and what a workdir keeps: its
+config, its lock."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import gemma_jax as gj
+from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import data, init_from, loop, tokenizers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF_SHAPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, num_hidden_layers=3, sliding_window=8,
+                rms_norm_eps=1e-6)
+
+
+def run_config(corpus, **train):
+  """A two-step run on the corpus; the model section is whatever init_from gives."""
+  config = gj.get_config("gemma3-tiny")
+  config.data.path = corpus
+  config.data.seq_len = 32
+  config.data.eval_fraction = 0.1
+  config.train.update(dict(dict(steps=2, batch_size=8, log_every=1, eval_every=0,
+                                eval_batches=1, progress_bar=False, peak_flops=1e9), **train))
+  config.optimizer.warmup_steps = 0
+  config.checkpoint.save_every = 2
+  config.sample.max_new_tokens = 0
+  return config
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+  """A random transformers Gemma 3 saved with save_pretrained: (model, directory)."""
+  torch.manual_seed(0)
+  model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**HF_SHAPE)).eval()
+  path = str(tmp_path_factory.mktemp("hf"))
+  model.save_pretrained(path)
+  return model, path
+
+
+def test_config_round_trips_through_the_workdir(tmp_path):
+  config = gj.get_config("gemma4-moe-tiny")
+  config.model.attention_pattern = ("local", "global", "global")
+  config.data.path = "a/*.txt,b/*.jsonl"
+  config.optimizer.no_decay = ("norm", "bias")
+  config.train.init_from = "/some/dir"
+  workdir_lib.save_config(str(tmp_path), config)
+  loaded = workdir_lib.load_config(str(tmp_path))
+  assert loaded.to_dict() == config.to_dict()
+  assert loaded.model.attention_pattern == ("local", "global", "global")   # tuples stay tuples
+  with pytest.raises(AttributeError):
+    loaded.train.stepz = 3   # locked, as every config
+  saved = json.loads((tmp_path / "config.json").read_text())
+  saved["train"]["stepz"] = 3
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  with pytest.raises(workdir_lib.WorkdirError, match=r"config\.json.*train.*'stepz'"):
+    workdir_lib.load_config(str(tmp_path))
+
+
+_HOLD = """
+import sys, time
+from gemma_jax import workdir
+with workdir.lock(sys.argv[1]):
+  print("held", flush=True)
+  time.sleep(60)
+"""
+
+
+def _holder(workdir):
+  process = subprocess.Popen([sys.executable, "-c", _HOLD, workdir], stdout=subprocess.PIPE,
+                             text=True, cwd=REPO)
+  assert process.stdout.readline().strip() == "held"
+  return process
+
+
+def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_holder(tmp_path, corpus):
+  holder = _holder(str(tmp_path))
+  try:
+    with pytest.raises(workdir_lib.WorkdirError, match=f"in use by process {holder.pid} on"):
+      loop.train(run_config(corpus), str(tmp_path))
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.jsonl").exists()
+  finally:
+    holder.kill()
+    holder.wait()
+  # Killed without any clean-up: the kernel released its lock.
+  with workdir_lib.lock(str(tmp_path)):
+    pass
+
+
+def test_training_from_a_transformers_checkpoint_starts_from_its_weights(
+    hf_checkpoint, corpus, tmp_path):
+  model, path = hf_checkpoint
+  config = run_config(corpus, steps=1, init_from=path, log_every=1)
+  summary = loop.train(config, str(tmp_path))
+  assert summary["step"] == 1
+  saved = workdir_lib.load_config(str(tmp_path))
+  assert (saved.model.d_model, saved.model.num_layers, saved.model.vocab_size) == (32, 3, 300)
+  assert saved.train.init_from == os.path.abspath(path) and saved.data.tokenizer == "byte"
+  # The weights init_from places are the checkpoint's: our logits on the first training
+  # batch (rebuilt from the seed) equal transformers' on each row's first document
+  # (transformers sees whole rows, so only there are both computing the same thing).
+  tokenizer = tokenizers.get_tokenizer("byte", 300)
+  rows, _ = data.load_splits(saved.data, tokenizer, saved.seed)
+  batch = data.TrainBatches(rows, 8, saved.seed).batch(0)
+  logits = np.asarray(gj.transform(saved).apply(
+      init_from.base_params(saved), jnp.asarray(batch["tokens"]),
+      positions=jnp.asarray(batch["positions"]), segment_ids=jnp.asarray(batch["segment_ids"])))
+  with torch.no_grad():
+    expected = model(torch.as_tensor(batch["tokens"]).long(),
+                     position_ids=torch.as_tensor(batch["positions"]).long()).logits.numpy()
+  first = np.cumsum(batch["positions"] == 0, axis=1) == 1
+  np.testing.assert_allclose(logits[first], expected[first], atol=1e-4)
+  # And the run's first logged loss (before its update) is theirs: the weighted
+  # cross-entropy of those logits over the whole batch.
+  logp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+  nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+  record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+  np.testing.assert_allclose(record["loss"], (nll * batch["weights"]).sum()
+                             / batch["weights"].sum(), rtol=1e-5)
+
+
+def test_a_model_flag_contradicting_the_checkpoint_is_named(hf_checkpoint, corpus, tmp_path):
+  _, path = hf_checkpoint
+  config = run_config(corpus, init_from=path)
+  config.model.d_model = 64
+  with pytest.raises(gj.ConfigError, match=r"config\.model\.d_model: 64 contradicts the "
+                     r"checkpoint .* \(32\)"):
+    loop.train(config, str(tmp_path), model_overrides={"d_model"})
+  # A compute option may be set; the same d_model, unset by the user, is taken from it.
+  config.model.dtype = "bfloat16"
+  resolved = init_from.resolve(config, {"dtype"})
+  assert (resolved.model.d_model, resolved.model.dtype) == (32, "bfloat16")
+
+
+def test_init_from_a_path_that_is_no_checkpoint_is_one_error(corpus, tmp_path):
+  config = run_config(corpus, init_from=str(tmp_path / "nowhere"))
+  with pytest.raises(gj.ConfigError, match=r"config\.train\.init_from: .*nowhere' is neither "
+                     "a transformers directory"):
+    loop.train(config, str(tmp_path / "run"))
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_workdir_with_checkpoints_resumes_instead_of_reading_init_from(
+    hf_checkpoint, corpus, tmp_path):
+  _, path = hf_checkpoint
+  workdir = str(tmp_path / "run")
+  loop.train(run_config(corpus, steps=2, init_from=path), workdir)
+  result = subprocess.run(
+      [sys.executable, "experiments/train.py", "--config=configs/gemma3_tiny.py",
+       f"--workdir={workdir}", f"--config.train.init_from={path}", "--config.train.steps=3",
+       f"--config.data.path={corpus}", "--config.data.seq_len=32", "--config.train.batch_size=8",
+       "--config.train.eval_batches=1", "--config.data.eval_fraction=0.1",
+       "--config.optimizer.warmup_steps=0", "--config.checkpoint.save_every=2",
+       "--config.train.progress_bar=False", "--config.train.peak_flops=1e9",
+       "--config.sample.max_new_tokens=0"],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert "resumed from step 2" in result.stderr + result.stdout
+  assert "init_from is read only for a new run" in result.stderr + result.stdout
+
+
+def test_train_app_names_a_contradicting_model_flag_in_one_line(hf_checkpoint, tmp_path):
+  _, path = hf_checkpoint
+  result = subprocess.run(
+      [sys.executable, "experiments/train.py", "--config=configs/gemma3_tiny.py",
+       f"--workdir={tmp_path}", f"--config.train.init_from={path}",
+       "--config.model.num_layers=5"], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "config.model.num_layers: 5 contradicts the checkpoint" in lines[0]
