@@ -1,7 +1,10 @@
 """Data: documents, tokenizers, packing, splits, deterministic resumable order, sharding."""
 
+import importlib.util
 import inspect
 import json
+import logging
+import os
 import textwrap
 
 import chex
@@ -11,7 +14,8 @@ import pytest
 import sentencepiece
 
 import gemma_jax as gj
-from gemma_jax.training import data, tokenizers
+from gemma_jax import chat
+from gemma_jax.training import data, metrics, tokenizers
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓", "import os\nprint(os.sep)\n",
          "a" * 70, "class A:\n    pass\n"]
@@ -87,10 +91,10 @@ def test_tokenizer_errors_name_the_field(tmp_path):
   with pytest.raises(gj.ConfigError, match="no file at") as error:
     tokenizers.get_tokenizer(str(tmp_path / "missing.model"), model_vocab_size=512)
   assert error.value.field == "data.tokenizer"
-  with pytest.raises(gj.ConfigError, match="is a directory") as error:
+  with pytest.raises(gj.ConfigError, match="is a directory without") as error:
     tokenizers.get_tokenizer(str(tmp_path), model_vocab_size=512)
   assert error.value.field == "data.tokenizer"
-  with pytest.raises(gj.ConfigError, match="259 ids does not fit model.vocab_size=200"):
+  with pytest.raises(gj.ConfigError, match="261 ids does not fit model.vocab_size=200"):
     tokenizers.get_tokenizer("byte", model_vocab_size=200)
 
 
@@ -257,3 +261,159 @@ def test_eval_batches_are_the_first_rows_in_order_padded():
   np.testing.assert_array_equal(batches[-1]["weights"][1], 0)
   assert len(data.eval_batches(rows, batch_size=2, num_batches=1, process_index=0,
                                process_count=1)) == 1
+
+
+# Chat data.
+
+def conversation(i, system=False, turns=1):
+  """A small valid conversation, distinct for each i."""
+  messages = [{"role": "system", "content": f"sys {i}"}] if system else []
+  for t in range(turns):
+    messages += [{"role": "user", "content": f"q{i}.{t}"},
+                 {"role": "assistant" if t % 2 else "model", "content": f"answer {i}.{t}"}]
+  return {"messages": messages}
+
+
+def write_jsonl(path, records):
+  path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+  return str(path)
+
+
+def test_auto_reads_conversations_and_text_lines_chat_reads_only_conversations(tmp_path):
+  path = write_jsonl(tmp_path / "a.jsonl", [conversation(0), {"text": "plain"},
+                                            conversation(1, system=True)])
+  assert data.read_documents(path, "text", "auto") == [
+      conversation(0)["messages"], "plain", conversation(1, system=True)["messages"]]
+  with pytest.raises(data.DataError, match=r"a.jsonl:2 has no 'messages' list") as error:
+    data.read_documents(path, "text", "chat")
+  assert error.value.field == "data.format"
+  (tmp_path / "b.txt").write_text("text")
+  with pytest.raises(data.DataError, match=r"b.txt is not a .jsonl file") as error:
+    data.read_documents(str(tmp_path / "b.txt"), "text", "chat")
+  assert error.value.field == "data.format"
+
+
+@pytest.mark.parametrize("line,message", [
+    ("not json", r"a.jsonl:2 is not JSON"),
+    ('{"text": "x"}', r"a.jsonl:2 has no 'messages' list"),
+    ('{"messages": {"role": "user"}}', r"a.jsonl:2: a conversation must be a non-empty list"),
+    ('{"messages": [{"role": "bot", "content": "x"}]}', r"a.jsonl:2: message 0 has unknown role"),
+    ('{"messages": [{"content": "x"}]}', r"a.jsonl:2: message 0 has no 'role'"),
+    ('{"messages": [{"role": "user"}]}', r"a.jsonl:2: message 0 has no 'content'"),
+    ('{"messages": [{"role": "user", "content": 3}]}', r"a.jsonl:2: message 0 has int content"),
+    ('{"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}',
+     r"a.jsonl:2: message 1 has role 'user' where 'model' belongs"),
+])
+def test_malformed_chat_lines_name_file_and_line(tmp_path, line, message):
+  (tmp_path / "a.jsonl").write_text(json.dumps(conversation(0)) + "\n" + line + "\n")
+  with pytest.raises(data.DataError, match=message):
+    data.read_documents(str(tmp_path / "a.jsonl"), "text", "chat")
+
+
+def test_batch_weights_fold_in_the_loss_mask():
+  rng = np.random.default_rng(1)
+  segment_ids = np.sort(rng.integers(0, 4, (3, 20)), axis=1)[:, ::-1].copy()
+  tokens = rng.integers(3, 259, (3, 20)).astype(np.int32)
+  loss_mask = rng.integers(0, 2, (3, 20)).astype(np.float32)
+  batch = data.make_batch(tokens, segment_ids, loss_mask)
+  _, _, weights = reference_batch(tokens, segment_ids)
+  for r in range(3):
+    for i in range(19):
+      weights[r, i] *= loss_mask[r, i + 1]
+  np.testing.assert_array_equal(batch["weights"], weights)
+
+
+def chat_config(path, seq_len=64, eval_fraction=0.25):
+  config = gj.get_config("gemma3-tiny").data
+  config.path, config.seq_len, config.eval_fraction = path, seq_len, eval_fraction
+  return config
+
+
+def segments(rows):
+  """Each row's examples: (ids, mask) per segment id, in row order."""
+  out = []
+  for r in range(len(rows)):
+    for s in np.unique(rows.segment_ids[r][rows.segment_ids[r] > 0]):
+      where = rows.segment_ids[r] == s
+      out.append((rows.tokens[r][where].tolist(), rows.loss_mask[r][where].tolist()))
+  return out
+
+
+def test_chat_splits_hold_whole_conversations_with_their_loss_mask(tmp_path):
+  records = [conversation(i, system=i % 3 == 0, turns=1 + i % 2) for i in range(12)]
+  tok = tokenizers.ByteTokenizer()
+  train, held_out = data.load_splits(
+      chat_config(write_jsonl(tmp_path / "c.jsonl", records), seq_len=128), tok, seed=0)
+  rendered = {tuple(r.ids.tolist()): r.weights.tolist() for r in
+              (chat.render(rec["messages"], tok) for rec in records)}
+  parts = [segments(train), segments(held_out)]
+  assert len(parts[1]) == 3 and len(parts[0]) == 9     # 0.25 of 12 conversations
+  found = [ids for part in parts for ids, _ in part]
+  assert sorted(map(tuple, found)) == sorted(rendered)   # each one whole, once
+  for part in parts:
+    for ids, mask in part:
+      assert mask == rendered[tuple(ids)]
+  again, _ = data.load_splits(chat_config(str(tmp_path / "c.jsonl"), seq_len=128), tok, seed=0)
+  np.testing.assert_array_equal(again.tokens, train.tokens)
+
+
+def test_chat_batches_learn_only_the_model_turns(tmp_path):
+  records = [conversation(i, turns=2) for i in range(8)]
+  tok = tokenizers.ByteTokenizer()
+  train, held_out = data.load_splits(chat_config(write_jsonl(tmp_path / "c.jsonl", records)),
+                                     tok, seed=0)
+  batches = data.TrainBatches(train, batch_size=2, seed=0, process_index=0, process_count=1)
+  evals = data.eval_batches(held_out, batch_size=2, num_batches=2, process_index=0,
+                            process_count=1)
+  learned = collections_of_targets(list(batches.batch(i) for i in range(3)) + evals)
+  answers = [m["content"] for rec in records for m in rec["messages"] if m["role"] != "user"]
+  allowed = set(b + 3 for a in answers for b in a.encode()) | {tok.end_of_turn_id}
+  assert learned and set(learned) <= allowed
+  # Unigram entropy over the weighted targets, counted here with numpy.
+  counts = np.unique(collections_of_targets(evals), return_counts=True)[1]
+  p = counts / counts.sum()
+  assert metrics.unigram_entropy(evals) == pytest.approx(-np.sum(p * np.log(p)))
+
+
+def collections_of_targets(batches):
+  return [int(t) for b in batches for t in b["targets"][b["weights"] > 0]]
+
+
+def test_a_conversation_longer_than_a_row_is_cut_and_counted_once(tmp_path, caplog):
+  records = [conversation(i, turns=6 if i < 2 else 1) for i in range(6)]
+  with caplog.at_level(logging.WARNING):
+    train, held_out = data.load_splits(
+        chat_config(write_jsonl(tmp_path / "c.jsonl", records), seq_len=48),
+        tokenizers.ByteTokenizer(), seed=0)
+  warnings = [r.getMessage() for r in caplog.records
+              if "longer than data.seq_len" in r.getMessage()]
+  assert warnings == ["2 of 6 examples are longer than data.seq_len=48 and were cut to it"]
+  assert train.tokens.shape[1] == held_out.tokens.shape[1] == 48
+
+
+def test_chat_data_needs_a_tokenizer_with_turn_markers(tmp_path):
+  class NoMarkers(tokenizers.ByteTokenizer):
+    start_of_turn_id = end_of_turn_id = None
+  path = write_jsonl(tmp_path / "c.jsonl", [conversation(i) for i in range(3)])
+  with pytest.raises(gj.ConfigError, match="NoMarkers has no turn markers") as error:
+    data.load_splits(chat_config(path), NoMarkers(), seed=0)
+  assert error.value.field == "data.tokenizer"
+
+
+def test_shipped_chat_small_is_regenerated_exactly_and_fits_256_bytes(tmp_path):
+  directory = os.path.join(os.path.dirname(__file__), "..", "configs", "data")
+  spec = importlib.util.spec_from_file_location(
+      "make_chat_small", os.path.join(directory, "make_chat_small.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  module.main(str(tmp_path / "again.jsonl"))
+  shipped = os.path.join(directory, "chat_small.jsonl")
+  with open(shipped, "rb") as f:
+    assert f.read() == (tmp_path / "again.jsonl").read_bytes()
+  assert os.path.getsize(shipped) < 150_000
+  conversations = data.read_documents(shipped, "text", "chat")
+  assert 600 <= len(conversations) <= 1000
+  lengths = [len(chat.render(c, tokenizers.ByteTokenizer()).ids) for c in conversations]
+  assert max(lengths) <= 256
+  assert any(c[0]["role"] == "system" for c in conversations)
+  assert any(len(c) >= 4 for c in conversations)

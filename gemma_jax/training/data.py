@@ -8,6 +8,7 @@ A batch is a dict of [B, T] arrays (B rows, T = data.seq_len):
   positions    int32 index of the token within its document's part of the row
   targets      int32 the next token (meaningful where weights > 0)
   weights      float32 1 where the target is the next token of the same document
+               (and, for chat, a token of a model turn)
 
 Documents are shuffled by the seed, split by token count into a held-out eval part
 and a train part, and each part is concatenated ([bos] doc [eos] [bos] doc ...) and
@@ -16,6 +17,13 @@ rows; nothing is padded but the last row. Training batch i is a pure function of
 (seed, i): rows are read in a fresh permutation every epoch, and the iterator's
 state is just the index of the next batch. With several processes each one reads
 its own contiguous slice of every global batch.
+
+Chat data (data.format "chat", or "auto" where a JSONL line holds "messages") are
+conversations rendered by gemma_jax.chat, with a per-token loss mask that keeps only the
+model's turns. When the data hold any conversation, every example (conversation or text
+document) is packed whole: shuffled, then laid into rows of T in order, a new row when
+the next example does not fit; an example longer than T is cut to T. The eval split is
+then data.eval_fraction of the examples (at least 1), not of the tokens.
 """
 
 import dataclasses
@@ -30,6 +38,7 @@ import jax
 import numpy as np
 from ml_collections import config_dict
 
+from gemma_jax import chat
 from gemma_jax.config import ConfigError
 
 
@@ -39,9 +48,11 @@ class DataError(ConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class Rows:
-  """Packed rows: tokens and segment_ids, both [R, T] int32."""
+  """Packed rows: tokens and segment_ids, both [R, T] int32, and an optional loss_mask
+  [R, T] float32 (1 where a token is one to learn; None: every token)."""
   tokens: np.ndarray
   segment_ids: np.ndarray
+  loss_mask: Optional[np.ndarray] = None
 
   def __len__(self):
     return self.tokens.shape[0]
@@ -59,33 +70,50 @@ def _read_text(filename: str) -> str:
     return f.read()
 
 
-def _read_jsonl(filename: str, text_field: str) -> List[str]:
-  texts = []
+def _read_jsonl(filename: str, text_field: str, data_format: str) -> list:
+  examples = []
   with open(filename, "rb") as f:
     for line_number, raw in enumerate(f, 1):
+      where = f"{filename}:{line_number}"
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as error:
-        raise DataError("data.path", f"{filename}:{line_number} is not UTF-8 ({error})") from None
+        raise DataError("data.path", f"{where} is not UTF-8 ({error})") from None
       if not line.strip():
         continue
       try:
-        text = json.loads(line)[text_field]
-      except (json.JSONDecodeError, KeyError, TypeError):
-        text = None
-      if not isinstance(text, str):
-        raise DataError("data.text_field", f"{filename}:{line_number} is not a JSON object "
-                        f"with a {text_field!r} string")
-      texts.append(text)
-  return texts
+        record = json.loads(line)
+      except json.JSONDecodeError as error:
+        if data_format == "chat":
+          raise DataError("data.path", f"{where} is not JSON ({error})") from None
+        record = None
+      if data_format != "text" and isinstance(record, dict) and "messages" in record:
+        try:
+          chat.check_messages(record["messages"])
+        except ValueError as error:
+          raise DataError("data.path", f"{where}: {error}") from None
+        examples.append(list(record["messages"]))
+      elif data_format == "chat":
+        raise DataError("data.format", f"{where} has no 'messages' list; data.format='chat' "
+                        "takes only conversations ('auto' mixes them with text)")
+      else:
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+          raise DataError("data.text_field", f"{where} is not a JSON object "
+                          f"with a {text_field!r} string")
+        examples.append(text)
+  return examples
 
 
-def read_documents(path: Optional[str], text_field: str = "text") -> List[str]:
-  """The non-empty documents of `path` (comma-separated globs; None: the stdlib source).
+def read_documents(path: Optional[str], text_field: str = "text",
+                   data_format: str = "text") -> list:
+  """The non-empty examples of `path` (comma-separated globs; None: the stdlib source).
 
-  A .jsonl file holds one document per line (its `text_field`, a string; a line that is
-  not UTF-8 is an error); any other file is one document, its invalid UTF-8 replaced
-  (the standard library holds a few Latin-1 files).
+  A .jsonl file holds one example per line: a conversation (a list of messages) where
+  the line holds "messages" and `data_format` is "chat" or "auto", else a document (its
+  `text_field`, a string); a line that is not UTF-8 is an error. Any other file is one
+  document, its invalid UTF-8 replaced (the standard library holds a few Latin-1 files);
+  "chat" takes only .jsonl files of conversations.
   """
   if path is None:
     files = stdlib_files()
@@ -98,10 +126,13 @@ def read_documents(path: Optional[str], text_field: str = "text") -> List[str]:
   documents = []
   for filename in files:
     if filename.endswith(".jsonl"):
-      documents.extend(_read_jsonl(filename, text_field))
+      documents.extend(_read_jsonl(filename, text_field, data_format))
+    elif data_format == "chat":
+      raise DataError("data.format", f"{filename} is not a .jsonl file; data.format='chat' "
+                      "takes only JSONL conversations")
     else:
       documents.append(_read_text(filename))
-  documents = [d for d in documents if d.strip()]
+  documents = [d for d in documents if not isinstance(d, str) or d.strip()]
   if not documents:
     raise DataError("data.path", f"the {len(files)} file(s) matching {path!r} hold no text")
   return documents
@@ -123,8 +154,28 @@ def pack(tokens: np.ndarray, segment_ids: np.ndarray, seq_len: int, pad_id: int)
   return Rows(tokens.reshape(-1, seq_len), segment_ids.reshape(-1, seq_len))
 
 
-def make_batch(tokens: np.ndarray, segment_ids: np.ndarray) -> dict:
-  """tokens, segment_ids [B, T] -> the batch dict (see the module docstring)."""
+def pack_whole(examples: List[np.ndarray], masks: List[np.ndarray], seq_len: int,
+               pad_id: int) -> Rows:
+  """Examples [L_i <= T] and their loss masks -> rows [R, T], each example whole in one
+  row, in order; segment ids count the examples from 1."""
+  rows, row = [], []
+  for i, (ids, mask) in enumerate(zip(examples, masks), 1):
+    if sum(len(x[0]) for x in row) + len(ids) > seq_len:
+      rows.append(row)
+      row = []
+    row.append((ids, mask, np.full(len(ids), i, np.int32)))
+  rows.append(row)
+  def fill(part: int, pad) -> np.ndarray:
+    return np.stack([np.concatenate([x[part] for x in row] + [
+        np.full(seq_len - sum(len(x[0]) for x in row), pad)]) for row in rows])
+  return Rows(fill(0, pad_id).astype(np.int32), fill(2, 0).astype(np.int32),
+              fill(1, 0).astype(np.float32))
+
+
+def make_batch(tokens: np.ndarray, segment_ids: np.ndarray,
+               loss_mask: Optional[np.ndarray] = None) -> dict:
+  """tokens, segment_ids [B, T] (and a loss mask [B, T], 1 on the tokens to learn) ->
+  the batch dict (see the module docstring)."""
   b, t = tokens.shape
   index = np.broadcast_to(np.arange(t), (b, t))
   starts = np.ones((b, t), bool)
@@ -135,18 +186,24 @@ def make_batch(tokens: np.ndarray, segment_ids: np.ndarray) -> dict:
   targets[:, :-1] = np.where(same_document, tokens[:, 1:], 0)
   weights = np.zeros((b, t), np.float32)
   weights[:, :-1] = same_document
+  if loss_mask is not None:
+    weights[:, :-1] *= loss_mask[:, 1:]
   return dict(tokens=tokens.astype(np.int32), segment_ids=segment_ids.astype(np.int32),
               positions=positions.astype(np.int32), targets=targets.astype(np.int32),
               weights=weights)
 
 
 def load_splits(config: config_dict.ConfigDict, tokenizer, seed: int):
-  """(train Rows, eval Rows) for `config.data`, documents shuffled by `seed`.
+  """(train Rows, eval Rows) for `config.data`, examples shuffled by `seed`.
 
   Raises:
     DataError (field data.eval_fraction): the eval split holds no target token.
+    ConfigError (field data.tokenizer): chat data and a tokenizer without turn markers.
   """
-  documents = tokenizer.encode(read_documents(config.path, config.text_field))
+  examples = read_documents(config.path, config.text_field, config.format)
+  if any(not isinstance(e, str) for e in examples):
+    return _conversation_splits(config, tokenizer, examples, seed)
+  documents = tokenizer.encode(examples)
   order = np.random.default_rng(seed).permutation(len(documents))
   tokens, segment_ids = concatenate([documents[i] for i in order], tokenizer.bos_id,
                                     tokenizer.eos_id)
@@ -158,6 +215,41 @@ def load_splits(config: config_dict.ConfigDict, tokenizer, seed: int):
                     f"{len(tokens)} tokens, none followed by another of its document to "
                     "predict: raise it")
   return split(slice(n_eval, None)), held_out
+
+
+def _conversation_splits(config: config_dict.ConfigDict, tokenizer, examples: list,
+                         seed: int):
+  """load_splits for data holding conversations: whole examples, split by count."""
+  if tokenizer.start_of_turn_id is None:
+    raise ConfigError("data.tokenizer", f"{type(tokenizer).__name__} has no turn markers "
+                      "(<start_of_turn>, <end_of_turn>): it cannot render the chat data")
+  if len(examples) < 2:
+    raise DataError("data.path", f"{config.path!r} holds 1 example: an eval split needs "
+                    "another")
+  ids, masks = [], []
+  for example in examples:
+    if isinstance(example, str):
+      ids.append(np.concatenate([[tokenizer.bos_id], tokenizer.encode([example])[0],
+                                 [tokenizer.eos_id]]).astype(np.int32))
+      masks.append(np.ones(len(ids[-1]), np.float32))
+    else:
+      rendered = chat.render(example, tokenizer)
+      ids.append(rendered.ids)
+      masks.append(rendered.weights)
+  cut = sum(len(x) > config.seq_len for x in ids)
+  if cut:
+    logging.warning("%d of %d examples are longer than data.seq_len=%d and were cut to it",
+                    cut, len(examples), config.seq_len)
+  ids, masks = [x[:config.seq_len] for x in ids], [x[:config.seq_len] for x in masks]
+  order = np.random.default_rng(seed).permutation(len(examples))
+  n_eval = min(max(round(config.eval_fraction * len(examples)), 1), len(examples) - 1)
+  split = lambda part: pack_whole([ids[i] for i in part], [masks[i] for i in part],
+                                  config.seq_len, tokenizer.pad_id)
+  held_out = split(order[:n_eval])
+  if not make_batch(held_out.tokens, held_out.segment_ids, held_out.loss_mask)["weights"].any():
+    raise DataError("data.eval_fraction", f"{config.eval_fraction} holds out {n_eval} of the "
+                    f"{len(examples)} examples, with no model turn to predict: raise it")
+  return split(order[n_eval:]), held_out
 
 
 def _process_slice(global_rows: np.ndarray, process_index: int, process_count: int):
@@ -198,7 +290,8 @@ class TrainBatches:
     global_rows = np.arange(index * self.batch_size, (index + 1) * self.batch_size)
     rows = np.array([self._row(j) for j in
                      _process_slice(global_rows, self.process_index, self.process_count)])
-    return make_batch(self.rows.tokens[rows], self.rows.segment_ids[rows])
+    mask = None if self.rows.loss_mask is None else self.rows.loss_mask[rows]
+    return make_batch(self.rows.tokens[rows], self.rows.segment_ids[rows], mask)
 
   def state(self) -> dict:
     return {"next_batch": self.next_batch, "seed": self.seed, "rows": len(self.rows)}
@@ -233,8 +326,10 @@ def eval_batches(rows: Rows, batch_size: int, num_batches: int,
   pad = ((0, total - n), (0, 0))
   tokens = np.pad(rows.tokens[:n], pad)
   segment_ids = np.pad(rows.segment_ids[:n], pad)
+  mask = None if rows.loss_mask is None else np.pad(rows.loss_mask[:n], pad)
   batches = []
   for start in range(0, total, batch_size):
     local = _process_slice(np.arange(start, start + batch_size), process_index, process_count)
-    batches.append(make_batch(tokens[local], segment_ids[local]))
+    batches.append(make_batch(tokens[local], segment_ids[local],
+                              None if mask is None else mask[local]))
   return batches
