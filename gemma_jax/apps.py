@@ -1,0 +1,159 @@
+"""What every absl app in experiments/ shares: `run(main)` instead of `absl.app.run(main)`.
+
+It keeps absl's behaviour (--help, flags, UsageError) and adds two things:
+- a bad --config file or --config.* override ends with one line on stderr that names
+  the field (`train.py: error: --config.train.stepz: config.train has no field 'stepz';
+  did you mean 'steps'?`) and exit status 2, instead of a traceback;
+- the console keeps to what the user asked for: absl, orbax and JAX's INFO lines (JAX's
+  backend probing among them) are hidden unless --verbosity is given.
+"""
+
+import difflib
+import functools
+import importlib.machinery
+import importlib.util
+import os
+import re
+import sys
+from typing import Callable, List, Optional
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_dict
+from ml_collections.config_flags import config_flags
+
+FLAGS = flags.FLAGS
+USAGE_ERROR = 2   # the exit status of a refused command line, as argparse's
+
+
+def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None) -> None:
+  """absl.app.run(main) with one-line config errors and a quiet console."""
+  app.run(_quietly(main), argv=argv, flags_parser=parse_flags)
+
+
+def _quietly(main):
+  """main, called with absl's verbosity at WARNING unless --verbosity was given (absl
+  raises it to INFO once flags are parsed; JAX and orbax log through it)."""
+
+  @functools.wraps(main)
+  def quiet_main(argv):
+    if not FLAGS["verbosity"].present:
+      logging.set_verbosity(logging.WARNING)
+    return main(argv)
+
+  return quiet_main
+
+
+def parse_flags(argv: List[str]) -> List[str]:
+  """FLAGS(argv), as absl's own parser; a bad --config file or override exits with one
+  error line and status 2."""
+  try:
+    remaining = FLAGS(argv)
+    for name in _config_flags():
+      # ml_collections defers a config file's load error until the config is used;
+      # any attribute, as `lock` here, raises it.
+      hasattr(FLAGS[name].value, "lock")
+    return remaining
+  except Exception as error:   # pylint: disable=broad-except
+    problem = _config_problem(FLAGS.read_flags_from_files(argv[1:], force_gnu=False), error)
+    if problem:
+      sys.stderr.write(f"{os.path.basename(argv[0])}: error: {problem}\n")
+      sys.exit(USAGE_ERROR)
+    if not isinstance(error, flags.Error):
+      raise
+    # Any other flag error: absl's message and status (absl cannot parse argv again).
+    sys.stderr.write(f"FATAL Flags parsing error: {error}\n"
+                     "Pass --helpshort or --helpfull to see help on flags.\n")
+    sys.exit(1)
+
+
+def _config_flags() -> List[str]:
+  """Names of the flags defined with config_flags.DEFINE_config_file."""
+  return [name for name in FLAGS
+          if isinstance(FLAGS[name].parser, config_flags.ConfigFileFlagParser)]
+
+
+def _config_problem(args: List[str], error: Exception) -> Optional[str]:
+  """What is wrong with a config flag's file or overrides in args, in one line; None if
+  nothing is."""
+  for name in _config_flags():
+    path = _last_value(args, name)
+    if path is None:
+      continue
+    try:
+      config = _load(path)
+    except FileNotFoundError:
+      return f"--{name}={path}: no such file"
+    except Exception as load_error:   # pylint: disable=broad-except
+      return f"--{name}={path}: {_one_line(f'{type(load_error).__name__}: {load_error}')}"
+    if not isinstance(config, config_dict.ConfigDict):
+      continue
+    for field in _overrides(args, name):
+      problem = _field_problem(config, name, field)
+      if problem:
+        return f"--{name}.{field}: {problem}"
+    # absl words a value its flag's parser refused "flag --NAME=VALUE: why".
+    bad_value = re.match(rf"flag --{re.escape(name)}\.([^=\s\[]+)=(.*?): ", str(error))
+    if isinstance(error, flags.IllegalFlagValueError) and bad_value:
+      field, value = bad_value.groups()
+      *parents, leaf = field.split(".")
+      section = functools.reduce(lambda node, key: node[key], parents, config)
+      return f"--{name}.{field}: expects {_a(section.get_type(leaf))}, got {value!r}"
+  return None
+
+
+def _field_problem(config: config_dict.ConfigDict, name: str, field: str) -> Optional[str]:
+  """Why `field` (dotted) names no field of config, or None when it does."""
+  node, where = config, name
+  for key in field.split("."):
+    if "[" in key:   # an index into a sequence: ml_collections' own parser judges it
+      return None
+    if not isinstance(node, config_dict.ConfigDict):
+      return f"{where} is {_a(type(node))}, not a section with fields"
+    if key not in node:
+      close = difflib.get_close_matches(key, list(node.keys()), n=1)
+      hint = (f"did you mean {close[0]!r}?" if close
+              else f"its fields are {', '.join(sorted(node.keys()))}")
+      return f"{where} has no field {key!r}; {hint}"
+    node, where = node[key], f"{where}.{key}"
+  return None
+
+
+def _last_value(args: List[str], name: str) -> Optional[str]:
+  """The value of the last --name=VALUE or --name VALUE in args, else the flag's default."""
+  value = FLAGS[name].default if isinstance(FLAGS[name].default, str) else None
+  for i, arg in enumerate(args):
+    if arg == "--":
+      break
+    match = re.fullmatch(rf"--?{re.escape(name)}(?:=(.*))?", arg, re.DOTALL)
+    if match:
+      value = match.group(1) if match.group(1) is not None else (
+          args[i + 1] if i + 1 < len(args) else None)
+  return value
+
+
+def _overrides(args: List[str], name: str) -> List[str]:
+  """The dotted fields that --name.FIELD[=value] (or --noname.FIELD) flags in args set."""
+  args = args[:args.index("--")] if "--" in args else args
+  override = re.compile(rf"--?(?:no)?{re.escape(name)}\.([^=]+)(?:=.*)?", re.DOTALL)
+  return [match.group(1) for arg in args if (match := override.fullmatch(arg))]
+
+
+def _load(path: str):
+  """get_config() of config file `path` ("file.py" or "file.py:argument")."""
+  filename, *argument = path.split(":", 1)
+  loader = importlib.machinery.SourceFileLoader("gemma_jax_apps_config", filename)
+  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+  loader.exec_module(module)
+  return module.get_config(*argument)
+
+
+def _a(kind: type) -> str:
+  """'an int', 'a float': the type's name with its indefinite article."""
+  return f"{'an' if kind.__name__[0] in 'aeiouAEIOU' else 'a'} {kind.__name__}"
+
+
+def _one_line(text: str) -> str:
+  """text with its whitespace runs (newlines among them) made single spaces."""
+  return " ".join(text.split())

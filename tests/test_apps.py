@@ -1,0 +1,87 @@
+"""gemma_jax.apps through tests/apps_fixture.py, run as its own process: a bad --config
+file or override is one stderr line and exit status 2; absl's --help, flag errors and
+UsageError are kept; INFO logging (JAX's backend probing too) only with --verbosity."""
+
+import os
+import re
+import subprocess
+import sys
+
+import gemma_jax as gj
+
+ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
+FIXTURE = os.path.join(os.path.dirname(__file__), "apps_fixture.py")
+CONFIG = "--config=configs/gemma3_tiny.py"   # train.steps is 500 there
+INFO_LINE = re.compile(r"^I\d{4} ", re.MULTILINE)   # absl's INFO prefix: I, then mmdd
+
+
+def fixture(*flags):
+  """(exit status, stdout, stderr) of the fixture app run from the repository root."""
+  result = subprocess.run([sys.executable, FIXTURE, *flags], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env=dict(os.environ, XLA_FLAGS=""),
+                          check=False)
+  return result.returncode, result.stdout, result.stderr
+
+
+def test_a_misspelt_field_is_one_line_with_a_suggestion():
+  assert fixture(CONFIG, "--config.train.stepz=20") == (2, "", (
+      "apps_fixture.py: error: --config.train.stepz: config.train has no field 'stepz'; "
+      "did you mean 'steps'?\n"))
+
+
+def test_a_misspelt_section_is_one_line_with_a_suggestion():
+  assert fixture(CONFIG, "--config.trian.steps=1") == (2, "", (
+      "apps_fixture.py: error: --config.trian.steps: config has no field 'trian'; "
+      "did you mean 'train'?\n"))
+
+
+def test_a_field_with_no_close_name_lists_the_fields():
+  fields = ", ".join(sorted(gj.get_config("gemma3-tiny").train))
+  assert fixture(CONFIG, "--config.train.xyzzy=1") == (2, "", (
+      "apps_fixture.py: error: --config.train.xyzzy: config.train has no field 'xyzzy'; "
+      f"its fields are {fields}\n"))
+
+
+def test_a_value_of_the_wrong_type_is_one_line():
+  assert fixture(CONFIG, "--config.train.steps=abc") == (2, "", (
+      "apps_fixture.py: error: --config.train.steps: expects an int, got 'abc'\n"))
+  assert fixture(CONFIG, "--config.train.steps.every=1") == (2, "", (
+      "apps_fixture.py: error: --config.train.steps.every: config.train.steps is an int, "
+      "not a section with fields\n"))
+
+
+def test_a_config_file_that_does_not_load_is_one_line(tmp_path):
+  assert fixture("--config=configs/missing.py", "--config.train.steps=1") == (2, "", (
+      "apps_fixture.py: error: --config=configs/missing.py: no such file\n"))
+  assert fixture("--config=configs/missing.py") == (2, "", (
+      "apps_fixture.py: error: --config=configs/missing.py: no such file\n"))
+  broken = tmp_path / "broken.py"
+  broken.write_text("def get_config():\n  return undefined_name\n")
+  assert fixture(f"--config={broken}") == (2, "", (
+      f"apps_fixture.py: error: --config={broken}: NameError: "
+      "name 'undefined_name' is not defined\n"))
+
+
+def test_a_correct_override_reaches_main_and_the_console_stays_quiet():
+  status, out, err = fixture(CONFIG, "--config.train.steps=7")
+  assert (status, out, err) == (0, "steps=7 on cpu\n", "")
+
+
+def test_verbosity_brings_back_info_lines():
+  status, out, err = fixture(CONFIG, "--verbosity=0")
+  assert (status, out) == (0, "steps=500 on cpu\n")
+  assert "fixture info line" in err
+  assert "backend 'tpu'" in err   # JAX's probing, logged at INFO
+  assert len(INFO_LINE.findall(err)) >= 2
+
+
+def test_absl_behaviour_is_kept():
+  status, out, _ = fixture("--help")   # absl exits 1 after its help
+  assert status == 1 and "--config: Experiment config file." in out
+  status, _, err = fixture(CONFIG, "--stepz=3")
+  assert status == 1 and err.startswith("FATAL Flags parsing error: Unknown command line "
+                                        "flag 'stepz'")
+  status, _, err = fixture()
+  assert status == 1 and "Flag --config must have a value other than None." in err
+  status, _, err = fixture(CONFIG, "surplus")   # main raises app.UsageError
+  assert status == 1 and err.rstrip().endswith("unexpected arguments: ['surplus']")
