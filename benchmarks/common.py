@@ -1,7 +1,8 @@
 """What every benchmark shares: timing, the machine it ran on, a table and a JSON file.
 
 Benchmarks are scripts, not tests: each prints a markdown table and writes its numbers
-with `write_json`, so a README figure can always be traced to a run.
+with `write_json`, by default under benchmarks/results/ (`output_path`), so a README
+figure can always be traced to a run.
 """
 
 import json
@@ -68,6 +69,15 @@ def print_table(title: str, columns: Sequence[str], rows: List[Sequence]) -> Non
   print("|" + "---|" * len(columns))
   for row in rows:
     print("| " + " | ".join(cell(v) for v in row) + " |")
+
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def output_path(out, name: str) -> str:
+  """`out` if given, else benchmarks/results/<name>_<backend>.json wherever the script
+  is run from."""
+  return out or os.path.join(RESULTS, f"{name}_{jax.default_backend()}.json")
 
 
 def write_json(path: str, payload: dict) -> None:

@@ -24,7 +24,8 @@ _SCAN = flags.DEFINE_list("scan", ["true", "false"], "scan_layers settings to ti
 _BATCH = flags.DEFINE_integer("batch_size", 8, "Rows per step.")
 _SEQ = flags.DEFINE_integer("seq_len", 256, "Tokens per row.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
-_OUT = flags.DEFINE_string("out", "compile_time.json", "JSON output.")
+_OUT = flags.DEFINE_string("out", None, "JSON output; default "
+                           "benchmarks/results/compile_time_<backend>.json.")
 
 
 def compile_seconds(num_layers: int, scan: bool) -> dict:
@@ -60,9 +61,10 @@ def main(argv):
       f"{_PRESET.value} train step, batch {_BATCH.value} x {_SEQ.value}, remat "
       f"{_REMAT.value}: seconds",
       ["layers", "scan", "lower", "compile", "total", f"vs {results[0]['layers']} layers"], rows)
-  common.write_json(_OUT.value, {"preset": _PRESET.value, "batch_size": _BATCH.value,
-                                 "seq_len": _SEQ.value, "remat_policy": _REMAT.value,
-                                 "results": results})
+  common.write_json(common.output_path(_OUT.value, "compile_time"),
+                    {"preset": _PRESET.value, "batch_size": _BATCH.value,
+                     "seq_len": _SEQ.value, "remat_policy": _REMAT.value,
+                     "results": results})
 
 
 if __name__ == "__main__":

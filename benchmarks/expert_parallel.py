@@ -38,7 +38,8 @@ MESHES = {
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed steps per mesh (after one compiling step).")
 _BATCH = flags.DEFINE_integer("batch_size", 16, "Rows per step.")
 _SEQ = flags.DEFINE_integer("seq_len", 128, "Tokens per row.")
-_OUT = flags.DEFINE_string("out", "expert_parallel.json", "JSON output.")
+_OUT = flags.DEFINE_string("out", None, "JSON output; default "
+                           "benchmarks/results/expert_parallel_<backend>.json.")
 
 
 def time_mesh(mesh_sizes: dict) -> float:
@@ -79,8 +80,9 @@ def main(argv):
       f"{jax.device_count()} {jax.default_backend()} devices",
       ["mesh", "ms / step", "vs data8"],
       [[name, ms, f"{ms / base:.2f}x"] for name, ms in results.items()])
-  common.write_json(_OUT.value, {"batch_size": _BATCH.value, "seq_len": _SEQ.value,
-                                 "ms_per_step": results})
+  common.write_json(common.output_path(_OUT.value, "expert_parallel"),
+                    {"batch_size": _BATCH.value, "seq_len": _SEQ.value,
+                     "ms_per_step": results})
 
 if __name__ == "__main__":
   app.run(main)

@@ -31,7 +31,8 @@ _BLOCKS = flags.DEFINE_list("loop_blocks", ["32", "128", "128+32", "256+32", "51
 _DISPATCHES = flags.DEFINE_list("dispatches", ["dense", "ragged", "loop"],
                                 "Dispatches to time.")
 _SECONDS = flags.DEFINE_float("seconds", 1.0, "Least time spent timing each function.")
-_OUT = flags.DEFINE_string("out", None, "JSON output; default moe_dispatch_<backend>.json.")
+_OUT = flags.DEFINE_string("out", None, "JSON output; default "
+                           "benchmarks/results/moe_dispatch_<backend>.json.")
 
 ACTIVATION = ACTIVATIONS["gelu_tanh"]
 
@@ -91,7 +92,7 @@ def main(argv):
       f"F={_MLP_DIM.value}; ms forward / forward+backward", ["E"] + columns,
       [[row["experts"]] + [f"{row[c]['forward']:.1f} / {row[c]['backward']:.1f}"
                            for c in columns] for row in results])
-  common.write_json(_OUT.value or f"moe_dispatch_{backend}.json",
+  common.write_json(common.output_path(_OUT.value, "moe_dispatch"),
                     {"tokens": _TOKENS.value, "top_k": _TOP_K.value, "d_model": _D_MODEL.value,
                      "expert_mlp_dim": _MLP_DIM.value, "results": results})
 

@@ -27,7 +27,8 @@ _SHAPE = flags.DEFINE_string(
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Rows per step.")
 _SEQ = flags.DEFINE_integer("seq_len", 1024, "Tokens per row.")
 _POLICIES = flags.DEFINE_list("policies", list(remat.POLICIES), "Remat policies.")
-_OUT = flags.DEFINE_string("out", "remat_memory.json", "JSON output.")
+_OUT = flags.DEFINE_string("out", None, "JSON output; default "
+                           "benchmarks/results/remat_memory_<backend>.json.")
 
 MIB = 2 ** 20
 
@@ -64,9 +65,10 @@ def main(argv):
   common.print_table(
       f"{_PRESET.value} ({_SHAPE.value}) train step, batch {_BATCH.value} x {_SEQ.value}: MiB",
       ["policy", "arguments", "temp", "total", f"temp vs {results[0]['policy']}"], rows)
-  common.write_json(_OUT.value, {"preset": _PRESET.value, "shape": _SHAPE.value,
-                                 "batch_size": _BATCH.value, "seq_len": _SEQ.value,
-                                 "results": results})
+  common.write_json(common.output_path(_OUT.value, "remat_memory"),
+                    {"preset": _PRESET.value, "shape": _SHAPE.value,
+                     "batch_size": _BATCH.value, "seq_len": _SEQ.value,
+                     "results": results})
 
 
 if __name__ == "__main__":

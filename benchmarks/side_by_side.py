@@ -67,7 +67,8 @@ _TORCH = flags.DEFINE_bool("torch", True, "Also time transformers' PyTorch model
 _KEEP_FREED = flags.DEFINE_bool(
     "keep_freed_host_memory", True, "gemma_jax.host_memory.keep_freed_memory() first "
     "(process-wide: transformers runs under it too).")
-_OUT = flags.DEFINE_string("out", "side_by_side.json", "JSON output.")
+_OUT = flags.DEFINE_string("out", None, "JSON output; default "
+                           "benchmarks/results/side_by_side_<backend>.json.")
 
 
 def model_config(name: str):
@@ -247,9 +248,10 @@ def main(argv):
       f"({_PROMPT.value} prompt + {_NEW.value} greedy); {_DTYPE.value}",
       ["shape", "who", "train tok/s", "train MFU", "forward tok/s", "decode tok/s",
        "matmul peak GFLOP/s", "page faults / train step"], rows)
-  common.write_json(_OUT.value, {"dtype": _DTYPE.value, "attention_kernel": _KERNEL.value,
-                                 "remat_policy": _REMAT.value, "keep_freed_host_memory": kept,
-                                 "results": results})
+  common.write_json(common.output_path(_OUT.value, "side_by_side"),
+                    {"dtype": _DTYPE.value, "attention_kernel": _KERNEL.value,
+                     "remat_policy": _REMAT.value, "keep_freed_host_memory": kept,
+                     "results": results})
 
 
 if __name__ == "__main__":
