@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 import gemma_jax as gj
+from gemma_jax import workdir as workdir_lib
 from gemma_jax import image_inputs
 from gemma_jax.training import checkpoints, optimizer, steps, tokenizers
 from test_hf import random_model
@@ -108,10 +109,10 @@ def test_from_a_training_workdir(tmp_path):
   new = row[0, len(ids):].tolist()
   new = new[:new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
 
-  flags = [f"--config.model.{k}={v!r}"
-           for k, v in overrides.items()]
-  stdout = sample_app(f"--config={os.path.join(ROOT, 'configs', 'gemma3_tiny.py')}", *flags,
-                      f"--workdir={tmp_path}", f"--prompt={prompt}")
+  # The workdir remembers its config (as train.py writes it): sample.py needs nothing else.
+  config.data.tokenizer = "byte"
+  workdir_lib.save_config(str(tmp_path), config)
+  stdout = sample_app(f"--workdir={tmp_path}", f"--prompt={prompt}")
   assert stdout.startswith(prompt + tokenizer.decode(new) + "\n")
 
 

@@ -23,7 +23,7 @@ from gemma_jax.training import (checkpoints, data, flops, loop, loss, metrics, o
                                 tokenizers)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MODEL = dict(vocab_size=260, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
+TINY_MODEL = dict(vocab_size=262, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
                   mlp_dim=64, num_layers=2, attention_pattern=("local", "global"),
                   sliding_window=8)
 
@@ -161,7 +161,7 @@ def test_matmul_flops_count_the_model_kernels():
   assert flops.matmul_params(config) == kernels + config.vocab_size * config.d_model
   # Two layers: local sees min(window 8, T), global sees T.
   attention = 4 * 2 * 16 * (8 + 32)
-  assert flops.training_flops_per_token(config, 32) == 3 * (2 * (kernels + 260 * 32) + attention)
+  assert flops.training_flops_per_token(config, 32) == 3 * (2 * (kernels + 262 * 32) + attention)
   assert flops.measure_peak_flops(repeats=1) > 1e8
 
 
@@ -364,10 +364,10 @@ def test_resuming_under_another_model_or_optimizer_names_what_differs(corpus, tm
     ("data", "eval_fraction", 1e-6, "data.eval_fraction", "holds out 1 of the"),
     ("data", "path", "/nonexistent/*.txt", "data.path", "no file matches"),
     ("data", "tokenizer", "/nonexistent/tokenizer.model", "data.tokenizer", "no file at"),
-    ("model", "vocab_size", 100, "data.tokenizer", "259 ids does not fit"),
+    ("model", "vocab_size", 100, "data.tokenizer", "261 ids does not fit"),
     ("checkpoint", "keep", 0, "checkpoint.keep", ">= 1"),
     ("sample", "temperature", -1.0, "sample.temperature", r"\[0, inf\)"),
-    ("sample", "top_k", 261, "sample.top_k", "exceeds model.vocab_size=260"),
+    ("sample", "top_k", 263, "sample.top_k", "exceeds model.vocab_size=262"),
 ])
 def test_bad_config_or_data_fails_before_building_the_model(corpus, tmp_path, monkeypatch,
                                                             section, field, value, name, message):
