@@ -217,15 +217,11 @@ def load_splits(config: config_dict.ConfigDict, tokenizer, seed: int):
   return split(slice(n_eval, None)), held_out
 
 
-def _conversation_splits(config: config_dict.ConfigDict, tokenizer, examples: list,
-                         seed: int):
-  """load_splits for data holding conversations: whole examples, split by count."""
+def _rendered(config: config_dict.ConfigDict, tokenizer, examples: list):
+  """Data holding conversations -> (ids, loss masks) per example, each cut to seq_len."""
   if tokenizer.start_of_turn_id is None:
     raise ConfigError("data.tokenizer", f"{type(tokenizer).__name__} has no turn markers "
                       "(<start_of_turn>, <end_of_turn>): it cannot render the chat data")
-  if len(examples) < 2:
-    raise DataError("data.path", f"{config.path!r} holds 1 example: an eval split needs "
-                    "another")
   ids, masks = [], []
   for example in examples:
     if isinstance(example, str):
@@ -240,7 +236,16 @@ def _conversation_splits(config: config_dict.ConfigDict, tokenizer, examples: li
   if cut:
     logging.warning("%d of %d examples are longer than data.seq_len=%d and were cut to it",
                     cut, len(examples), config.seq_len)
-  ids, masks = [x[:config.seq_len] for x in ids], [x[:config.seq_len] for x in masks]
+  return [x[:config.seq_len] for x in ids], [x[:config.seq_len] for x in masks]
+
+
+def _conversation_splits(config: config_dict.ConfigDict, tokenizer, examples: list,
+                         seed: int):
+  """load_splits for data holding conversations: whole examples, split by count."""
+  if len(examples) < 2:
+    raise DataError("data.path", f"{config.path!r} holds 1 example: an eval split needs "
+                    "another")
+  ids, masks = _rendered(config, tokenizer, examples)
   order = np.random.default_rng(seed).permutation(len(examples))
   n_eval = min(max(round(config.eval_fraction * len(examples)), 1), len(examples) - 1)
   split = lambda part: pack_whole([ids[i] for i in part], [masks[i] for i in part],
@@ -250,6 +255,19 @@ def _conversation_splits(config: config_dict.ConfigDict, tokenizer, examples: li
     raise DataError("data.eval_fraction", f"{config.eval_fraction} holds out {n_eval} of the "
                     f"{len(examples)} examples, with no model turn to predict: raise it")
   return split(order[n_eval:]), held_out
+
+
+def load_all(config: config_dict.ConfigDict, tokenizer) -> Rows:
+  """Every example of `config.path` as rows, in file order and unsplit (what an
+  evaluation reads): text packed as in training, conversations whole with their loss
+  masks (model turns only)."""
+  examples = read_documents(config.path, config.text_field, config.format)
+  if any(not isinstance(e, str) for e in examples):
+    ids, masks = _rendered(config, tokenizer, examples)
+    return pack_whole(ids, masks, config.seq_len, tokenizer.pad_id)
+  tokens, segment_ids = concatenate(tokenizer.encode(examples), tokenizer.bos_id,
+                                    tokenizer.eos_id)
+  return pack(tokens, segment_ids, config.seq_len, tokenizer.pad_id)
 
 
 def _process_slice(global_rows: np.ndarray, process_index: int, process_count: int):

@@ -1,0 +1,77 @@
+r"""Loss and perplexity of a trained or published model on text or chat files.
+
+    python experiments/eval.py --workdir=runs/lora --data=configs/data/chat_small.jsonl
+    python experiments/eval.py --hf_dir=path/to/gemma-3-1b-it --data='my_chats/*.jsonl'
+
+Every example of --data is read (no split): text files and JSONL text as in training,
+chat JSONL through the chat template with the loss on the model's turns only. Prints a
+progress bar, then a table; writes the figures as JSON (--json; default WORKDIR/eval.json
+with --workdir, ./eval.json with --hf_dir). The loss per token is the training loop's
+evaluation of the same batches.
+"""
+
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+from gemma_jax import apps
+from gemma_jax import config as config_lib
+from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import data, evaluate
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: its latest checkpoint.")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "A transformers save_pretrained directory.")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte', a tokenizer file or directory; "
+                                 "default: the run's, or the directory's own files.")
+_DATA = flags.DEFINE_string("data", None, "Comma-separated globs of .txt/.jsonl files.")
+_FORMAT = flags.DEFINE_enum("format", "auto", config_lib.DATA_FORMATS,
+                            "text, chat, or auto (chat where a JSONL line holds messages).")
+_TEXT_FIELD = flags.DEFINE_string("text_field", "text", "Key of a JSONL line's text.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "Tokens per row; default: the run's "
+                                "data.seq_len (--hf_dir: 1024).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 8, "Rows per batch.")
+_JSON = flags.DEFINE_string("json", None, "Where to write the figures as JSON.")
+flags.mark_flag_as_required("data")
+
+
+def table(model: str, data_path: str, figures: dict) -> str:
+  """The figures as a markdown table."""
+  return "\n".join([
+      "| model | data | rows | tokens | loss (nats/token) | perplexity |",
+      "|---|---|---|---|---|---|",
+      f"| {model} | {data_path} | {figures['rows']} | {figures['tokens']:.0f} | "
+      f"{figures['loss']:.4f} | {figures['perplexity']:.3f} |"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    if _BATCH_SIZE.value < 1:
+      raise ValueError(f"--batch_size must be >= 1, got {_BATCH_SIZE.value}")
+    config, params, tokenizer = workdir_lib.load_model(
+        workdir=_WORKDIR.value, hf_dir=_HF_DIR.value, tokenizer=_TOKENIZER.value)
+    data_config = config.data
+    with data_config.unlocked():
+      data_config.update(dict(path=_DATA.value, format=_FORMAT.value,
+                              text_field=_TEXT_FIELD.value))
+      data_config.seq_len = _SEQ_LEN.value or (data_config.seq_len if _WORKDIR.value else 1024)
+    config_lib.validate(config)
+    figures = evaluate.evaluate(config, params, data.load_all(data_config, tokenizer),
+                                _BATCH_SIZE.value)
+  except (config_lib.ConfigError, ValueError, OSError) as error:   # Data/Workdir/Checkpoint
+    sys.exit(f"eval.py: error: {error}")
+  model = _WORKDIR.value or _HF_DIR.value
+  out = _JSON.value or os.path.join(_WORKDIR.value or ".", "eval.json")
+  with open(out, "w") as f:
+    json.dump(dict(figures, model=model, data=_DATA.value, seq_len=data_config.seq_len), f,
+              indent=2)
+  print(table(model, _DATA.value, figures))
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  apps.run(main)

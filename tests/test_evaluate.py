@@ -1,0 +1,111 @@
+"""Evaluation: evaluate() and experiments/eval.py against a float64 numpy loss, and
+against the training loop's own evaluation of the same batches."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemma_jax as gj
+from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import data, evaluate, init_from, loop, tokenizers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAT = os.path.join(REPO, "configs", "data", "chat_small.jsonl")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A workdir of a short byte-level run on the shipped chat file: (workdir, summary)."""
+  config = gj.get_config("gemma3-tiny")
+  config.model.update(num_layers=2, attention_pattern=("local", "global"), sliding_window=16)
+  config.data.update(path=CHAT, seq_len=128, eval_fraction=0.05)
+  # eval_batches x batch_size covers the whole held-out split (35 conversations).
+  config.train.update(steps=4, batch_size=8, log_every=2, eval_every=0, eval_batches=8,
+                      progress_bar=False, peak_flops=1e9)
+  config.optimizer.warmup_steps = 1
+  config.checkpoint.save_every = 4
+  config.sample.max_new_tokens = 0
+  workdir = str(tmp_path_factory.mktemp("run"))
+  return workdir, loop.train(config, workdir)
+
+
+def numpy_loss(config, params, rows):
+  """Cross-entropy per weighted target in float64 from the model's logits."""
+  total = weight = 0.0
+  for start in range(0, len(rows), 8):
+    batch = data.make_batch(rows.tokens[start:start + 8], rows.segment_ids[start:start + 8],
+                            rows.loss_mask[start:start + 8])
+    logits = np.asarray(gj.transform(config).apply(
+        params, jnp.asarray(batch["tokens"]), positions=jnp.asarray(batch["positions"]),
+        segment_ids=jnp.asarray(batch["segment_ids"])), np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
+    total += (nll * batch["weights"]).sum()
+    weight += batch["weights"].sum()
+  return total / weight, weight
+
+
+def test_evaluate_equals_numpy_and_the_training_loops_evaluation(trained):
+  workdir, summary = trained
+  config = workdir_lib.load_config(workdir)
+  _, params = init_from.merged(config, workdir)
+  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
+  _, held_out = data.load_splits(config.data, tokenizer, config.seed)
+  figures = evaluate.evaluate(config, params, held_out, batch_size=8, progress=False)
+  # The loop evaluated the same rows (the whole held-out split) at its last step.
+  np.testing.assert_allclose(figures["loss"], summary["eval_loss"], rtol=1e-6)
+  expected, weight = numpy_loss(config, params, held_out)
+  np.testing.assert_allclose(figures["loss"], expected, rtol=1e-5)
+  assert figures["tokens"] == weight
+  np.testing.assert_allclose(figures["perplexity"], np.exp(expected), rtol=1e-5)
+
+
+def test_eval_app_prints_a_table_and_writes_json(trained, tmp_path):
+  workdir, _ = trained
+  out = tmp_path / "figures.json"
+  result = subprocess.run([sys.executable, "experiments/eval.py", f"--workdir={workdir}",
+                           f"--data={CHAT}", f"--json={out}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  figures = json.loads(out.read_text())
+  config = workdir_lib.load_config(workdir)
+  _, params = init_from.merged(config, workdir)
+  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
+  with config.data.unlocked():
+    config.data.path = CHAT
+  expected, weight = numpy_loss(config, params, data.load_all(config.data, tokenizer))
+  np.testing.assert_allclose(figures["loss"], expected, rtol=1e-5)
+  assert figures["tokens"] == weight and figures["rows"] > 0
+  assert f"| {figures['loss']:.4f} | {figures['perplexity']:.3f} |" in result.stdout
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--data=/nowhere/*.jsonl"], "config.data.path: no file matches '/nowhere/*.jsonl'"),
+    (["--format=chat", "--data=README.md"], "data.format"),
+])
+def test_eval_app_bad_data_is_one_error_line(trained, flags, message):
+  workdir, _ = trained
+  result = subprocess.run([sys.executable, "experiments/eval.py", f"--workdir={workdir}",
+                           *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("eval.py: error: ") and message in lines[0], \
+      result.stderr
+
+
+def test_eval_app_on_a_workdir_without_checkpoint_is_one_error_line(tmp_path):
+  config = gj.get_config("gemma3-tiny")
+  workdir_lib.save_config(str(tmp_path), config)
+  (tmp_path / "checkpoints").mkdir()
+  result = subprocess.run([sys.executable, "experiments/eval.py", f"--workdir={tmp_path}",
+                           f"--data={CHAT}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+  assert result.returncode == 1
+  assert result.stderr.strip() == f"eval.py: error: {tmp_path}: no checkpoint in " \
+      f"{tmp_path}/checkpoints yet"
