@@ -14,10 +14,10 @@ Prints the prompt and its continuation, then the generation speed in tokens/s
 
 import sys
 
-from absl import app
 from absl import flags
 
 import gemma_jax as gj
+from gemma_jax import apps
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.inference import sampler
 
@@ -64,4 +64,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  apps.run(main)

@@ -20,10 +20,9 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 from ml_collections import config_flags
 
-from gemma_jax import host_memory, sharding
+from gemma_jax import apps, host_memory, sharding
 from gemma_jax.config import ConfigError
 from gemma_jax.workdir import WorkdirError
 from gemma_jax.training import loop
@@ -41,8 +40,6 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if not flags.FLAGS["verbosity"].present:
-    logging.set_verbosity(logging.WARNING)   # orbax logs every save at INFO
   if _KEEP_FREED.value:
     host_memory.keep_freed_memory()
   # Model fields set on the command line: from a checkpoint only compute options may be.
@@ -56,4 +53,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  apps.run(main)
