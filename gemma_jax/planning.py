@@ -2,6 +2,9 @@
 
 Parameter, gradient and optimizer bytes are exact: shapes from `jax.eval_shape`,
 shards from the sharding rules on a mesh of the requested shape (no devices needed).
+With LoRA (`config.lora.rank` > 0) the base parameters are frozen: they count in
+"params" (in param_dtype) but have no gradient and no optimizer state; gradients and
+AdamW's moments cover the adapters only.
 Activation bytes are an estimate (`activation_bytes_per_device`), checked against XLA's
 own memory analysis of compiled steps in the tests.
 
@@ -16,19 +19,28 @@ import jax
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax import decoder, sharding
+from gemma_jax import decoder, lora, sharding
 from gemma_jax.inference import decoding
 from gemma_jax.transformer import transform
 
 
-def param_bytes_per_device(config: config_dict.ConfigDict, sizes: dict) -> int:
-  """Bytes of the parameter shards one device holds on a mesh of axis `sizes`."""
+def _shapes(config: config_dict.ConfigDict) -> dict:
+  """{parameter path: ShapeDtypeStruct}, the adapters included."""
   tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
-  shapes = flax.traverse_util.flatten_dict(
+  return flax.traverse_util.flatten_dict(
       jax.eval_shape(transform(config).init, jax.random.key(0), tokens))
+
+
+def _bytes_per_device(config: config_dict.ConfigDict, sizes: dict, shapes: dict) -> int:
+  """Bytes of the shards of `shapes` ({path: ShapeDtypeStruct}) one device holds."""
   specs = flax.traverse_util.flatten_dict(sharding.param_specs(config, sizes))
   return sum(math.ceil(s.size * s.dtype.itemsize / sharding.shard_ways(specs[path], sizes))
              for path, s in shapes.items())
+
+
+def param_bytes_per_device(config: config_dict.ConfigDict, sizes: dict) -> int:
+  """Bytes of the parameter shards one device holds on a mesh of axis `sizes`."""
+  return _bytes_per_device(config, sizes, _shapes(config))
 
 
 def _kept_per_token(m, kind: str, policy: str) -> int:
@@ -92,16 +104,22 @@ def activation_bytes_per_device(config: config_dict.ConfigDict, sizes: dict,
 def plan(config: config_dict.ConfigDict, num_devices: int, batch_size: int,
          seq_len: int) -> dict:
   """{name: bytes per device} for params, gradients, optimizer state and activations,
-  with the resolved "mesh"."""
+  with the resolved "mesh", and the parameter counts "total_params" and
+  "trainable_params" (the adapters under LoRA, else all)."""
   sizes = sharding.mesh_shape(config.mesh, num_devices)
   sharding.check_batch_rows(batch_size // config.optimizer.grad_accum_steps, sizes)
-  params = param_bytes_per_device(config, sizes)
+  shapes = _shapes(config)
+  trainable = {path: s for path, s in shapes.items()
+               if not config.lora.rank or path[-1] in lora.ADAPTER_NAMES}
+  trained = _bytes_per_device(config, sizes, trainable)
   return {
       "mesh": sizes,
-      "params": params,
-      "gradients": params,
-      "optimizer_state": 2 * params,           # AdamW: first and second moments
+      "params": _bytes_per_device(config, sizes, shapes),
+      "gradients": trained,
+      "optimizer_state": 2 * trained,          # AdamW: first and second moments
       "activations": activation_bytes_per_device(config, sizes, batch_size, seq_len),
+      "total_params": sum(s.size for s in shapes.values()),
+      "trainable_params": sum(s.size for s in trainable.values()),
   }
 
 
