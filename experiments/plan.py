@@ -11,6 +11,8 @@ r"""Plans per-device memory of a training step without allocating anything.
 config (dtype, remat policy, batch, sequence length) and any --config.model.* flags
 given, which apply on top of the preset. The micro-batch (batch_size / grad_accum_steps
 rows) must split over the mesh's data, fsdp and expert axes.
+With --config.lora.rank=16 (LoRA) the base weights are frozen: gradients and optimizer
+state cover the adapters only, and the plan says how many parameters train.
 Prints a table and, with --json, writes the figures there. With --cache_length it also
 plans the decoding caches (all devices together) against a full-length cache on every
 layer:
@@ -93,6 +95,12 @@ def main(argv):
     total += result[name]
     print(f"{name:<18}{result[name] / GIB:>10.3f}")
   print(f"{'total':<18}{total / GIB:>10.3f}")
+  if config.lora.rank:
+    print(f"LoRA rank {config.lora.rank} (alpha {config.lora.alpha:g}) on "
+          f"{', '.join(config.lora.targets)}: {result['trainable_params']:,} trainable of "
+          f"{result['total_params']:,} parameters "
+          f"({result['trainable_params'] / result['total_params']:.2%}); the base is frozen "
+          f"(no gradients, no optimizer state)")
   if "decode_cache" in result:
     cache = result["decode_cache"]
     print(f"decoding cache, {_CACHE_BATCH.value} x {_CACHE_LENGTH.value} positions, "
