@@ -32,15 +32,11 @@ def _shapes(config: config_dict.ConfigDict) -> dict:
 
 
 def _bytes_per_device(config: config_dict.ConfigDict, sizes: dict, shapes: dict) -> int:
-  """Bytes of the shards of `shapes` ({path: ShapeDtypeStruct}) one device holds."""
+  """Bytes of the shards of `shapes` ({path: ShapeDtypeStruct}) one device holds on a
+  mesh of axis `sizes`."""
   specs = flax.traverse_util.flatten_dict(sharding.param_specs(config, sizes))
   return sum(math.ceil(s.size * s.dtype.itemsize / sharding.shard_ways(specs[path], sizes))
              for path, s in shapes.items())
-
-
-def param_bytes_per_device(config: config_dict.ConfigDict, sizes: dict) -> int:
-  """Bytes of the parameter shards one device holds on a mesh of axis `sizes`."""
-  return _bytes_per_device(config, sizes, _shapes(config))
 
 
 def _kept_per_token(m, kind: str, policy: str) -> int:
