@@ -13,7 +13,7 @@ from typing import Collection, Tuple
 import jax
 from ml_collections import config_dict
 
-from gemma_jax import hf, transformer
+from gemma_jax import hf, lora, transformer
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.config import ConfigError
 from gemma_jax.training import checkpoints, optimizer, steps
@@ -117,5 +117,4 @@ def merged(config: config_dict.ConfigDict, workdir: str) -> Tuple[config_dict.Co
   trained = restore_params(config, workdir)
   if not config.lora.rank:
     return config, trained
-  from gemma_jax import lora  # pylint: disable=import-outside-toplevel  (imports transformer)
-  return lora.merge(config, lora.combine(base_params(config), trained))
+  return lora.disabled(config), lora.merge(config, lora.combine(base_params(config), trained))

@@ -19,7 +19,7 @@ from ml_collections import config_dict
 import tqdm
 
 from gemma_jax import config as config_lib
-from gemma_jax import sharding, transformer
+from gemma_jax import lora, sharding, transformer
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.inference import sampler
 from gemma_jax.training import (checkpoints, data, flops, init_from, metrics, optimizer, steps,
@@ -157,9 +157,10 @@ def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -
   config is saved as WORKDIR/config.json; one run at a time holds the workdir.
 
   Returns:
-    dict with "step" (reached), "stopped_by" (a signal name, or None), and when the
-    run is complete "eval_loss", "unigram_entropy" (both in nats per token) and
-    "sample" (text, or None).
+    dict with "step" (reached), "stopped_by" (a signal name, or None), for a new run
+    from train.init_from "start_eval_loss" (of its weights), and when the run is
+    complete "eval_loss", "unigram_entropy" (both in nats per token) and "sample" (text,
+    or None).
 
   Raises:
     ConfigError / data.DataError: naming the config field at fault, before compiling.
@@ -172,7 +173,6 @@ def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -
     config.data.tokenizer = _tokenizer_name(config)
   config_lib.validate(config)
   if config.lora.rank:
-    from gemma_jax import lora  # pylint: disable=import-outside-toplevel  (imports transformer)
     lora.check_targets(config)
   with workdir_lib.lock(workdir):
     return _train(config, workdir)
@@ -208,7 +208,6 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   checkpointer = checkpoints.Checkpointer(checkpoint_dir, config.checkpoint.keep)
   # Trained params combined with the frozen ones (a LoRA run's base; else nothing).
   if config.lora.rank:
-    from gemma_jax import lora  # pylint: disable=import-outside-toplevel  (imports transformer)
     combine = lora.combine
     frozen_shardings = lora.split(sharding.param_shardings(config, mesh))[0]
   else:
@@ -263,6 +262,12 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   step = int(state.step)
   summary = {"step": step, "stopped_by": None}
   last_eval = None   # (step, eval loss)
+  if step == 0 and t.init_from:   # where fine-tuning starts from
+    start_loss = _evaluate(eval_step, state.params, eval_set, frozen)
+    summary["start_eval_loss"] = start_loss
+    if writer:
+      writer.write(0, {"eval_loss": start_loss})
+    _say(f"step 0/{t.steps} | eval_loss {start_loss:.4f} (the weights of {t.init_from})")
   # Metrics of steps not yet checked, and of those checked but not yet logged; the
   # seconds those steps ran (evaluations, logging and saves left out).
   pending, unlogged, seconds, interval_start = [], [], 0.0, time.perf_counter()
@@ -318,6 +323,9 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   eval_loss = last_eval[1]
   summary.update(eval_loss=eval_loss, unigram_entropy=entropy, sample=None)
   _say(final_report(eval_loss, entropy))
+  if "start_eval_loss" in summary:
+    _say(f"eval loss {summary['start_eval_loss']:.4f} -> {eval_loss:.4f} "
+         f"({eval_loss / summary['start_eval_loss'] - 1:+.1%}) from {t.init_from}")
   if jax.process_index() == 0:
     metrics.plot_losses(metrics.read_records(workdir), os.path.join(workdir, metrics.PLOT_FILE),
                         reference=entropy)
@@ -327,7 +335,7 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   if config.sample.max_new_tokens:
     sample_config, params = config, combine(frozen, state.params)
     if config.lora.rank:
-      sample_config, params = lora.merge(config, params)
+      sample_config, params = lora.disabled(config), lora.merge(config, params)
     with sharding.activate(mesh):
       summary["sample"] = _generate(sample_config, params, tokenizer)
     _say(f"sample: {summary['sample']!r}")

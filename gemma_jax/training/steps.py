@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from gemma_jax import sharding
+from gemma_jax import lora, sharding
 from gemma_jax.training import loss
 from gemma_jax.transformer import Transformed
 
@@ -58,7 +58,6 @@ def trained_part(config) -> Callable[[Any], Any]:
   else all of them."""
   if not config.lora.rank:
     return lambda params: params
-  from gemma_jax import lora  # pylint: disable=import-outside-toplevel  (imports transformer)
   return lambda params: lora.split(params)[1]
 
 
