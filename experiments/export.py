@@ -1,0 +1,74 @@
+r"""Hands a trained workdir to the PyTorch world.
+
+    python experiments/export.py --workdir=runs/lora --out=runs/lora_hf
+    python experiments/export.py --workdir=runs/lora --out=runs/lora_peft --peft
+
+Without --peft: a transformers directory (config.json, model.safetensors, the tokenizer's
+files, generation_config.json with the stop ids), LoRA adapters merged into their base;
+`AutoModelForCausalLM.from_pretrained(OUT)` and `sample.py --hf_dir=OUT` read it. With
+--peft: the LoRA adapters alone, as a peft directory (adapter_config.json,
+adapter_model.safetensors) for `peft.PeftModel.from_pretrained(base, OUT)`, the base being
+the transformers directory the run started from (train.init_from). The directory is
+written beside OUT and swapped into place, so an existing export is only ever replaced
+by a whole one.
+"""
+
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+from gemma_jax import apps, hf, hf_peft
+from gemma_jax import workdir as workdir_lib
+from gemma_jax.config import ConfigError
+from gemma_jax.training import init_from
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to export.")
+_OUT = flags.DEFINE_string("out", None, "Directory to write.")
+_PEFT = flags.DEFINE_bool("peft", False, "Write the LoRA adapters alone, as a peft directory.")
+flags.mark_flags_as_required(["workdir", "out"])
+
+
+def generation_config(tokenizer) -> dict:
+  """transformers' generation_config.json: generation stops at every stop id."""
+  return {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids),
+          "pad_token_id": tokenizer.pad_id}
+
+
+def export_model(workdir: str, out: str) -> str:
+  """Writes the workdir's model (adapters merged), tokenizer and generation config."""
+  config, params, tokenizer = workdir_lib.load_model(workdir=workdir)
+
+  def write_extra(directory):
+    tokenizer.save(directory)
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+      json.dump(generation_config(tokenizer), f, indent=2)
+
+  hf.save(out, config, params, write_extra=write_extra)
+  return f"wrote a transformers {config.model.block_type} model to {out}"
+
+
+def export_adapters(workdir: str, out: str) -> str:
+  """Writes the workdir's LoRA adapters as a peft directory."""
+  config = workdir_lib.load_config(workdir)
+  if not config.lora.rank:
+    raise ConfigError("lora.rank", f"{workdir} trained the whole model (lora.rank=0): it has "
+                      "no adapters to write; export it without --peft")
+  hf_peft.save(out, config, init_from.restore_params(config, workdir))
+  return f"wrote the rank-{config.lora.rank} LoRA adapters to {out} (base: " \
+         f"{config.train.init_from})"
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    print((export_adapters if _PEFT.value else export_model)(_WORKDIR.value, _OUT.value))
+  except (ConfigError, ValueError, OSError) as error:   # WorkdirError, CheckpointError too
+    sys.exit(f"export.py: error: {error}")
+
+
+if __name__ == "__main__":
+  apps.run(main)

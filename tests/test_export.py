@@ -1,0 +1,106 @@
+"""The route's hand-back: a LoRA fine-tune of a transformers checkpoint, exported by
+experiments/export.py as a transformers directory (adapters merged) and as peft
+adapters; transformers and peft compute our logits."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+import gemma_jax as gj
+from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import loop, tokenizers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAT = os.path.join(REPO, "configs", "data", "chat_small.jsonl")
+HF_SHAPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, num_hidden_layers=3, sliding_window=8,
+                rms_norm_eps=1e-6)
+
+
+def app(name, *flags):
+  return subprocess.run([sys.executable, f"experiments/{name}.py", *flags], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def route(tmp_path_factory):
+  """A random transformers Gemma 3 with the byte tokenizer's files, LoRA-tuned for a few
+  steps on the shipped chat file, then exported both ways: the directories."""
+  root = tmp_path_factory.mktemp("route")
+  torch.manual_seed(0)
+  base = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**HF_SHAPE))
+  base.save_pretrained(root / "base")
+  tokenizers.ByteTokenizer().save(str(root / "base"))
+  config = gj.get_config("gemma3-tiny")
+  config.train.init_from = str(root / "base")
+  config.data.update(path=CHAT, format="chat", seq_len=128, eval_fraction=0.05)
+  config.lora.update(rank=4, alpha=8.0)
+  config.train.update(steps=3, batch_size=8, log_every=3, eval_every=0, eval_batches=1,
+                      progress_bar=False, peak_flops=1e9)
+  config.optimizer.update(learning_rate=3e-2, warmup_steps=0)
+  config.checkpoint.save_every = 3
+  config.sample.max_new_tokens = 0
+  loop.train(config, str(root / "lora"))
+  for flags in ([f"--out={root / 'lora_hf'}"], [f"--out={root / 'lora_peft'}", "--peft"]):
+    result = app("export", f"--workdir={root / 'lora'}", *flags)
+    assert result.returncode == 0, result.stderr
+  return root
+
+
+def torch_logits(model, tokens):
+  with torch.no_grad():
+    return model(torch.as_tensor(tokens).long()).logits.numpy()
+
+
+def test_exported_model_and_adapters_give_our_logits_in_transformers_and_peft(route):
+  config, params, _ = workdir_lib.load_model(workdir=str(route / "lora"))
+  tokens = np.random.RandomState(0).randint(0, 300, (2, 21)).astype(np.int32)
+  ours = np.asarray(gj.transform(config).apply(params, jnp.asarray(tokens)))
+  base = transformers.AutoModelForCausalLM.from_pretrained(route / "base").eval()
+  before = torch_logits(base, tokens)
+  assert np.abs(ours - before).max() > 1e-3   # the adapters changed the model
+  exported = transformers.AutoModelForCausalLM.from_pretrained(route / "lora_hf").eval()
+  np.testing.assert_allclose(torch_logits(exported, tokens), ours, atol=1e-4, rtol=0)
+  with_adapters = peft.PeftModel.from_pretrained(base, route / "lora_peft").eval()
+  np.testing.assert_allclose(torch_logits(with_adapters, tokens), ours, atol=1e-4, rtol=0)
+
+
+def test_exported_directory_samples_and_tokenizes_as_the_run(route):
+  directory = route / "lora_hf"
+  generation = json.loads((directory / "generation_config.json").read_text())
+  assert generation["eos_token_id"] == [2, 260]   # eos and <end_of_turn>
+  theirs = transformers.AutoTokenizer.from_pretrained(directory)
+  text = "def f(x): return 'é' * x  # ünïcode"
+  assert theirs.encode(text, add_special_tokens=False) == \
+      tokenizers.ByteTokenizer().encode([text])[0].tolist()
+  from_workdir = app("sample", f"--workdir={route / 'lora'}", "--prompt=def ",
+                     "--max_new_tokens=12", "--temperature=0")
+  from_export = app("sample", f"--hf_dir={directory}", "--prompt=def ", "--max_new_tokens=12",
+                    "--temperature=0")
+  assert from_export.returncode == 0, from_export.stderr
+  assert from_export.stdout.splitlines()[0] == from_workdir.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize("make, flags, message", [
+    (lambda w: None, [], "is not a training workdir"),
+    (lambda w: (workdir_lib.save_config(str(w), gj.get_config("gemma3-tiny")),
+                os.mkdir(w / "checkpoints")), [], "no checkpoint in"),
+    (lambda w: (workdir_lib.save_config(str(w), gj.get_config("gemma3-tiny")),
+                os.mkdir(w / "checkpoints")), ["--peft"], "lora.rank=0"),
+])
+def test_export_of_a_workdir_without_a_model_is_one_error_line(tmp_path, make, flags, message):
+  (tmp_path / "w").mkdir()
+  make(tmp_path / "w")
+  result = app("export", f"--workdir={tmp_path / 'w'}", f"--out={tmp_path / 'out'}", *flags)
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("export.py: error: ") and message in lines[0]
+  assert not (tmp_path / "out").exists()
