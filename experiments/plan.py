@@ -24,12 +24,11 @@ layer:
 import json
 import sys
 
-from absl import app
 from absl import flags
 from ml_collections import config_flags
 
 import gemma_jax as gj
-from gemma_jax import planning, sharding
+from gemma_jax import apps, planning, sharding
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -114,4 +113,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  apps.run(main)
