@@ -14,7 +14,7 @@ def python_blocks():
 
 def test_every_python_block_of_the_readme_runs(tmp_path, monkeypatch):
   blocks = python_blocks()
-  assert len(blocks) >= 6, f"found only {len(blocks)} Python blocks in {README}"
+  assert len(blocks) >= 9, f"found only {len(blocks)} Python blocks in {README}"
   monkeypatch.chdir(tmp_path)
   namespace = {"__name__": "readme"}
   for i, block in enumerate(blocks):
