@@ -122,9 +122,12 @@ def test_training_from_a_transformers_checkpoint_starts_from_its_weights(
   # cross-entropy of those logits over the whole batch.
   logp = logits - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
   nll = -np.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0]
-  record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-  np.testing.assert_allclose(record["loss"], (nll * batch["weights"]).sum()
+  start, first_step = [json.loads(line)
+                       for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  np.testing.assert_allclose(first_step["loss"], (nll * batch["weights"]).sum()
                              / batch["weights"].sum(), rtol=1e-5)
+  # Before training, the run evaluated the checkpoint's weights: step 0.
+  assert start["step"] == 0 and start["eval_loss"] == summary["start_eval_loss"]
 
 
 def test_a_model_flag_contradicting_the_checkpoint_is_named(hf_checkpoint, corpus, tmp_path):
