@@ -7,6 +7,7 @@ generated sample.
 Everything that can be wrong with the config or the data fails before compiling.
 """
 
+import contextlib
 import os
 import signal
 import threading
@@ -174,7 +175,9 @@ def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -
   config_lib.validate(config)
   if config.lora.rank:
     lora.check_targets(config)
-  with workdir_lib.lock(workdir):
+  # Process 0 holds the workdir for the run; the other hosts of the same run share it.
+  held = workdir_lib.lock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+  with held:
     return _train(config, workdir)
 
 
