@@ -107,7 +107,7 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
 
 
 class Samples(NamedTuple):
-  """texts: the continuations; tokens: their ids (each up to its end-of-sequence id,
+  """texts: the continuations; tokens: their ids (each up to its first stop id,
   excluded); seconds: the generation's time, compilation excluded; compile_seconds."""
   texts: list
   tokens: list
@@ -117,12 +117,13 @@ class Samples(NamedTuple):
 
 class Sampler:
   """Text in, text out: config, params and a tokenizer (`encode`, `decode`, `bos_id`,
-  `eos_id`, `pad_id`, e.g. `gemma_jax.training.tokenizers`).
+  `stop_ids`, `pad_id`, e.g. `gemma_jax.training.tokenizers`).
 
   Args:
     config: the experiment config (its `model` section is used).
     params: the model's parameters.
-    tokenizer: prompts are encoded after its BOS id; generation stops at its EOS id.
+    tokenizer: prompts are encoded after its BOS id; generation stops at its `stop_ids`
+      (EOS and the end-of-turn marker).
     cache_dtype: dtype of cached keys and values; default
       `decoding.default_cache_dtype(config)`.
   """
@@ -170,8 +171,8 @@ class Sampler:
     static = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
                   top_p=float(top_p), pad_id=t.pad_id, cache_length=cache_length,
                   cache_dtype=self.cache_dtype)
-    args = (self.params, tokens, lengths, jax.random.key(seed), np.asarray([t.eos_id], np.int32),
-            pixels)
+    stops = np.asarray(t.stop_ids, np.int32)
+    args = (self.params, tokens, lengths, jax.random.key(seed), stops, pixels)
     start = time.perf_counter()
     key = (tokens.shape, None if pixels is None else pixels.shape, tuple(sorted(static.items())))
     if key not in self._compiled:
@@ -179,7 +180,8 @@ class Sampler:
     compiled = time.perf_counter()
     out = np.asarray(self._compiled[key](*args))
     seconds = time.perf_counter() - compiled
-    new = [row[:np.argmax(row == t.eos_id)] if (row == t.eos_id).any() else row for row in out]
+    stopped = np.isin(out, stops)
+    new = [row[:np.argmax(hit)] if hit.any() else row for row, hit in zip(out, stopped)]
     return Samples([t.decode(ids.tolist()) for ids in new], new, seconds, compiled - start)
 
   def _with_images(self, rows: list, images: Sequence[Sequence]):
