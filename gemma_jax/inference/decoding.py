@@ -3,6 +3,7 @@
     dec = make_decoding(config)
     logits, cache = dec.prefill(params, prompts, lengths, cache_length=256)   # [B, V]
     logits, cache = dec.decode_step(params, next_tokens, cache)               # [B, V]
+    logits, cache = dec.extend(params, more_tokens, cache)     # [B, C] -> [B, V]
 
 Prompts are right-padded rows [B, P] with `lengths` [B] real tokens each; a row's
 tokens sit at positions 0, 1, ... and every row decodes at its own position. Each layer
@@ -45,9 +46,11 @@ class Cache(NamedTuple):
 
 class Decoding(NamedTuple):
   """prefill(params, tokens, lengths, *, cache_length, cache_dtype) -> (logits, cache);
-  decode_step(params, tokens, cache) -> (logits, cache). Both jitted."""
+  decode_step(params, tokens, cache) -> (logits, cache); extend(params, tokens, cache)
+  -> (logits, cache). All jitted."""
   prefill: Callable
   decode_step: Callable
+  extend: Callable
 
 
 def ring_sizes(config: config_dict.ConfigDict, cache_length: int) -> dict:
@@ -183,4 +186,27 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     _check_positions(cache.next_position, model.trainable_position_size, "cache.next_position")
     return _step(params, tokens, cache)
 
-  return Decoding(prefill, decode_step)
+  def _extend_scan(params, tokens, cache):
+    def one(cache, token):
+      logits, cache = step(params, token, cache)
+      return cache, logits
+    cache, logits = jax.lax.scan(one, cache, tokens.T)
+    return logits[-1], cache
+
+  _extend = jax.jit(_extend_scan, donate_argnames="cache")
+
+  def extend(params: dict, tokens: jax.Array, cache: Cache):
+    """Continues every row's cached context with C more tokens, tokens [B, C] int: (logits
+    [B, V] float32 after each row's last one, the cache with them). Only the new tokens
+    are computed (each a cached step, so local rings and global capacity behave as in
+    decoding); a chat turn added to a conversation costs its own tokens, not the
+    conversation's. The cache passed in is donated."""
+    if tokens.ndim != 2 or tokens.shape[:1] != cache.next_position.shape or not tokens.shape[1]:
+      raise ValueError(f"tokens must have shape [batch={cache.next_position.shape[0]}, C >= 1], "
+                       f"got {tokens.shape}")
+    _check_tokens(tokens, model.vocab_size)
+    _check_positions(cache.next_position + tokens.shape[1] - 1, model.trainable_position_size,
+                     "cache.next_position + C - 1")
+    return _extend(params, tokens, cache)
+
+  return Decoding(prefill, decode_step, extend)
