@@ -1,0 +1,92 @@
+r"""Chats with a model in Gemma's turn format: a training workdir's latest checkpoint (a
+LoRA run's adapters merged) or a transformers save_pretrained directory.
+
+    python experiments/chat.py --workdir=runs/lora
+    python experiments/chat.py --hf_dir=path/to/gemma-3-1b-it --system="Answer briefly."
+    printf 'What is 12 plus 30?\n/quit\n' | python experiments/chat.py --workdir=runs/lora \
+        --temperature=0
+
+Each line read is a user turn; the reply streams as it is generated and stops at the
+model's end of turn. The conversation keeps one KV cache, so a turn computes only its
+own tokens. `/reset` starts a new conversation; `/quit` or end of input ends.
+"""
+
+import sys
+
+from absl import flags
+
+import gemma_jax as gj
+from gemma_jax import apps
+from gemma_jax import workdir as workdir_lib
+from gemma_jax.inference import chat_session
+from gemma_jax.inference import sampler
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: its latest checkpoint, "
+                               "with the config and tokenizer it was trained with.")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "A transformers save_pretrained directory.")
+_TOKENIZER = flags.DEFINE_string(
+    "tokenizer", None, "'byte', a tokenizer file or directory; default: the run's with "
+    "--workdir, the directory's own files with --hf_dir.")
+_SYSTEM = flags.DEFINE_string("system", None, "A system prompt for every conversation.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per reply at most.")
+_MAX_LENGTH = flags.DEFINE_integer("max_length", None, "Positions a conversation may take "
+                                   "(its KV cache); default: the model's position table, "
+                                   "else 4096.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.7, "Softmax temperature; 0 is greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 64, "Sample among the k likeliest tokens; 0: all.")
+_TOP_P = flags.DEFINE_float("top_p", 0.95, "Then among the likeliest of this probability "
+                            "mass; 1: all.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed of the first reply (the n-th reply "
+                             "uses seed + n).")
+_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", None, gj.config.DTYPES, "Dtype of the cached "
+                                 "keys and values; default: bfloat16 on accelerators, else "
+                                 "the compute dtype.")
+
+
+def _lines(interactive: bool):
+  """The user's lines, up to /quit or end of input; piped ones are echoed after '> '."""
+  while True:
+    try:
+      line = input("> " if interactive else "")
+    except EOFError:
+      return
+    if not interactive:
+      print(f"> {line}")
+    if line.strip() == "/quit":
+      return
+    yield line
+
+
+def main(argv):
+  del argv
+  try:
+    config, params, tokenizer = workdir_lib.load_model(
+        workdir=_WORKDIR.value, hf_dir=_HF_DIR.value, tokenizer=_TOKENIZER.value)
+    session = chat_session.ChatSession(config, params, tokenizer, max_length=_MAX_LENGTH.value,
+                                       system=_SYSTEM.value, cache_dtype=_CACHE_DTYPE.value)
+    sampler.check_options(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
+                          config.model.vocab_size)
+  except (gj.ConfigError, ValueError, OSError) as error:   # WorkdirError, CheckpointError too
+    sys.exit(f"chat.py: error: {error}")
+  replies = 0
+  for line in _lines(sys.stdin.isatty()):
+    if line.strip() == "/reset":
+      session.reset()
+      print("(a new conversation)")
+      continue
+    if not line.strip():
+      continue
+    try:
+      for piece in session.send(line, max_new_tokens=_MAX_NEW_TOKENS.value,
+                                temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+                                top_p=_TOP_P.value, seed=_SEED.value + replies):
+        print(piece, end="", flush=True)
+    except ValueError as error:   # a conversation past max_length
+      print(f"chat.py: {error}", file=sys.stderr)
+      continue
+    print()
+    replies += 1
+
+
+if __name__ == "__main__":
+  apps.run(main)

@@ -1,0 +1,124 @@
+"""A multi-turn conversation over one KV cache: each turn computes only its own tokens.
+
+    session = ChatSession(config, params, tokenizer, system="Be brief.")
+    for text in session.send("What is 2 plus 3?"):     # streamed as it is generated
+      print(text, end="", flush=True)
+
+The conversation is Gemma's chat format (`gemma_jax.chat`): the first turn is prefilled
+from its BOS, each later one (the model's end-of-turn, "\\n", the user's turn and the
+model's opening) is appended to the cache with `Decoding.extend`, and the reply is
+sampled one cached step at a time until a stop id or `max_new_tokens`.
+"""
+
+from typing import Iterator, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax import chat
+from gemma_jax.inference import decoding as decoding_lib
+from gemma_jax.inference import sampler
+
+
+class ChatSession:
+  """One conversation with a model (batch 1), its cache kept across turns.
+
+  Args:
+    config, params, tokenizer: the model (merged parameters) and a tokenizer with turn
+      markers.
+    max_length: positions the cache holds; a turn that would need more is refused (start
+      again with `reset`). Default: the learned position table, else 4096.
+    system: a system prompt, folded into the first user turn as the template does.
+    cache_dtype: of the cached keys and values; default `decoding.default_cache_dtype`.
+  """
+
+  def __init__(self, config: config_dict.ConfigDict, params, tokenizer, *,
+               max_length: Optional[int] = None, system: Optional[str] = None,
+               cache_dtype: Optional[str] = None):
+    chat.generation_prompt_ids(tokenizer)   # a tokenizer without turn markers fails here
+    self.config, self.params, self.tokenizer, self.system = config, params, tokenizer, system
+    self.max_length = max_length or config.model.trainable_position_size or 4096
+    self.cache_dtype = cache_dtype or decoding_lib.default_cache_dtype(config)
+    self.decoding = decoding_lib.make_decoding(config)
+    self.reset()
+
+  def reset(self) -> None:
+    """Forgets the conversation."""
+    self.ids: List[int] = []        # every token of the conversation, in the cache or not
+    self.fed_chunks: List[int] = []  # tokens computed by each prefill or extend, in order
+    self._cache = None
+    self._unfed: Optional[int] = None   # the last sampled token, not yet in the cache
+    self.logits = None               # [V] after the last token computed
+
+  def _turn_ids(self, text: str) -> np.ndarray:
+    """The ids that follow the conversation so far for a user turn `text`, through the
+    model's opening."""
+    t = self.tokenizer
+    if not self.ids:
+      messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+          {"role": "user", "content": text}]
+      return chat.render(messages, t, add_generation_prompt=True).ids
+    closing = [] if self._unfed == t.end_of_turn_id else [t.end_of_turn_id]
+    return np.concatenate([closing, t.encode(["\n"])[0], chat.turn_ids(t, "user", text),
+                           chat.generation_prompt_ids(t)]).astype(np.int32)
+
+  def _feed(self, ids: np.ndarray) -> None:
+    """Computes `ids` [C] after the cache (prefill for the first turn). Later chunks go in
+    power-of-two pieces, so a conversation compiles `extend` for at most log2(C) sizes."""
+    if self._cache is None:
+      logits, self._cache = self.decoding.prefill(
+          self.params, jnp.asarray(ids, jnp.int32)[None], cache_length=self.max_length,
+          cache_dtype=self.cache_dtype)
+    else:
+      start = 0
+      for bit in reversed(range(len(ids).bit_length())):
+        if len(ids) >> bit & 1:
+          piece = jnp.asarray(ids[start:start + (1 << bit)], jnp.int32)[None]
+          logits, self._cache = self.decoding.extend(self.params, piece, self._cache)
+          start += 1 << bit
+    self.fed_chunks.append(len(ids))
+    self.logits = logits[0]
+
+  def send(self, text: str, *, max_new_tokens: int = 256, temperature: float = 0.0,
+           top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Iterator[str]:
+    """The model's reply to the user's `text`, yielded as text pieces while it is
+    generated (a piece is held back while it ends inside a multi-byte character).
+
+    Raises:
+      ValueError: a sampling option out of range, or a turn that would take the
+        conversation past `max_length` positions.
+    """
+    sampler.check_options(temperature, top_k, top_p, self.config.model.vocab_size)
+    turn = self._turn_ids(text)
+    pending = ([] if self._unfed is None else [self._unfed]) + turn.tolist()
+    needed = len(self.ids) + len(turn) + max_new_tokens
+    if needed > self.max_length:
+      raise ValueError(f"this turn needs {needed} positions, more than max_length="
+                       f"{self.max_length}: reset the conversation")
+    self.ids += turn.tolist()
+    self._unfed = None
+    self._feed(np.asarray(pending, np.int32))
+    rng = jax.random.key(seed)
+    reply, shown = [], ""
+    for _ in range(max_new_tokens):
+      rng, key = jax.random.split(rng)
+      token = int(sampler.choose(self.logits[None], key, temperature=temperature, top_k=top_k,
+                                 top_p=top_p)[0])
+      self.ids.append(token)
+      if token in self.tokenizer.stop_ids:
+        self._unfed = token
+        break
+      reply.append(token)
+      text_so_far = self.tokenizer.decode(reply)
+      if not text_so_far.endswith("\ufffd") and len(text_so_far) > len(shown):
+        yield text_so_far[len(shown):]
+        shown = text_so_far
+      if len(reply) == max_new_tokens:
+        self._unfed = token
+        break
+      self._feed(np.asarray([token], np.int32))
+    final = self.tokenizer.decode(reply)
+    if len(final) > len(shown):
+      yield final[len(shown):]

@@ -1,0 +1,174 @@
+"""Chat over one KV cache: `Decoding.extend`, `ChatSession` and experiments/chat.py against
+a full recomputation of the whole conversation with the model's apply."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemma_jax as gj
+from gemma_jax import chat
+from gemma_jax.inference import make_decoding
+from gemma_jax.inference.chat_session import ChatSession
+from gemma_jax.training import tokenizers
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small(preset, **model):
+  config = gj.get_config(preset)
+  config.model.update(dict(dict(num_layers=3, attention_pattern=("local", "local", "global"),
+                                sliding_window=8), **model))
+  return config
+
+
+def random_params(config, seed=0):
+  """Every parameter random (norm scales included), so no layer is an identity."""
+  shapes = jax.eval_shape(gj.transform(config).init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 8), jnp.int32))
+  rng = np.random.RandomState(seed)
+  return jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), s.dtype), shapes)
+
+
+@pytest.mark.parametrize("preset, model", [
+    ("gemma3-tiny", {}),
+    ("gemma3-tiny", dict(scan_layers=False)),
+    ("gemma4-tiny", {}),
+    ("gemma4-moe-tiny", {}),
+])
+def test_extend_equals_a_full_recomputation(preset, model):
+  config = small(preset, **model)
+  params = random_params(config)
+  tokens = np.random.RandomState(1).randint(0, config.model.vocab_size, (2, 30))
+  dec = make_decoding(config)
+  # A prompt of 5, then chunks of 13 (longer than the window of 8), 1 and 11.
+  logits, cache = dec.prefill(params, jnp.asarray(tokens[:, :5]), cache_length=32,
+                              cache_dtype="float32")
+  full = np.asarray(gj.transform(config).apply(params, jnp.asarray(tokens)))
+  np.testing.assert_allclose(logits, full[:, 4], atol=2e-5)
+  end = 5
+  for size in (13, 1, 11):
+    logits, cache = dec.extend(params, jnp.asarray(tokens[:, end:end + size]), cache)
+    end += size
+    np.testing.assert_allclose(logits, full[:, end - 1], atol=2e-5)
+    np.testing.assert_array_equal(cache.next_position, [end, end])
+
+
+def test_extend_refuses_a_bad_chunk():
+  config = small("gemma3-tiny")
+  params = random_params(config)
+  dec = make_decoding(config)
+  _, cache = dec.prefill(params, jnp.ones((1, 4), jnp.int32), cache_length=16)
+  with pytest.raises(ValueError, match=r"tokens must have shape \[batch=1, C >= 1\]"):
+    dec.extend(params, jnp.ones((2, 3), jnp.int32), cache)
+  with pytest.raises(ValueError, match=r"tokens\[0, 1\] = 9999 is outside the vocabulary"):
+    dec.extend(params, jnp.asarray([[3, 9999]]), cache)
+
+
+def chatty_params(config, seed=1):
+  """Random parameters whose greedy replies vary: small embeddings (with tied ones, large
+  ones make every step repeat its input token) and the end-of-turn row scaled up, so some
+  replies stop at it and others run to max_new_tokens."""
+  params = random_params(config, seed)
+  embedding = params["embed"]["embedding"] / 15
+  params["embed"]["embedding"] = embedding.at[tokenizers.ByteTokenizer().end_of_turn_id].multiply(4)
+  return params
+
+
+def greedy_conversation(config, params, tokenizer, system, questions, max_new_tokens):
+  """The reference: (the conversation's ids, each reply's text, the tokens sampled for
+  each reply, its stop id included) by greedy argmax over a
+  full forward of the whole conversation at every token. Its ids come from the chat
+  module alone: the first turn rendered whole; later turns after the reply's end-of-turn
+  marker (the one sampled, else one added) and "\n"."""
+  apply = jax.jit(gj.transform(config).apply)
+  ids, replies, sampled = [], [], []
+  for question in questions:
+    if not ids:
+      messages = [{"role": "system", "content": system}] if system else []
+      ids += chat.render(messages + [{"role": "user", "content": question}], tokenizer,
+                         add_generation_prompt=True).ids.tolist()
+    else:
+      closing = [] if ids[-1] == tokenizer.end_of_turn_id else [tokenizer.end_of_turn_id]
+      ids += closing + [tokenizer.encode(["\n"])[0][0]] + chat.turn_ids(
+          tokenizer, "user", question).tolist() + chat.generation_prompt_ids(tokenizer).tolist()
+    reply, before = [], len(ids)
+    for _ in range(max_new_tokens):
+      ids.append(int(np.argmax(apply(params, jnp.asarray([ids]))[0, -1])))
+      if ids[-1] in tokenizer.stop_ids:
+        break
+      reply.append(ids[-1])
+    replies.append(tokenizer.decode(reply))
+    sampled.append(len(ids) - before)
+  return ids, replies, sampled
+
+
+def test_session_keeps_one_cache_and_equals_a_full_recomputation():
+  config = small("gemma3-tiny", vocab_size=261)
+  params = chatty_params(config)
+  tokenizer = tokenizers.ByteTokenizer()
+  questions = ["Hi there!", "What is 2 plus 3?", "Spell cat."]
+  _, replies, sampled = greedy_conversation(config, params, tokenizer, "Be brief.", questions, 8)
+  # Both ways a reply ends are exercised, and the replies are text.
+  assert min(sampled) < 8 and max(sampled) == 8 and all(replies), (replies, sampled)
+  session = ChatSession(config, params, tokenizer, max_length=256, system="Be brief.")
+  apply = jax.jit(gj.transform(config).apply)
+  for turn, question in enumerate(questions):
+    fed_before, ids_before = len(session.fed_chunks), len(session.ids)
+    reply = "".join(session.send(question, max_new_tokens=8))
+    ids, _, _ = greedy_conversation(config, params, tokenizer, "Be brief.", questions[:turn + 1],
+                                    8)
+    assert session.ids == ids and reply == replies[turn]
+    # The logits after the last token computed (the last sampled one is not fed yet)
+    # equal the full forward over the whole conversation before it.
+    full = apply(params, jnp.asarray([session.ids[:-1]]))[0, -1]
+    np.testing.assert_allclose(session.logits, full, atol=3e-5)
+    # This turn computed only its own tokens: its new ids and the previous reply's last,
+    # unfed token, then one cached step per generated token but the last.
+    new_ids = len(session.ids) - ids_before - sampled[turn]
+    assert session.fed_chunks[fed_before:] == (
+        [new_ids + (1 if turn else 0)] + [1] * (sampled[turn] - 1))
+
+
+def test_session_refuses_a_conversation_past_max_length():
+  config = small("gemma3-tiny")
+  session = ChatSession(config, random_params(config), tokenizers.ByteTokenizer(),
+                        max_length=64)
+  with pytest.raises(ValueError, match="more than max_length=64: reset the conversation"):
+    list(session.send("x" * 40, max_new_tokens=30))
+  assert session.ids == []   # nothing was computed
+
+
+def test_chat_app_reads_turns_from_a_pipe(tmp_path):
+  """experiments/chat.py with piped input: each line a turn, the replies greedy over one
+  conversation, /reset a new one, /quit the end (the line after it is never read)."""
+  config = small("gemma3-tiny", vocab_size=261)
+  params = chatty_params(config)
+  gj.hf.save(str(tmp_path / "hf"), config, params)
+  _, replies, _ = greedy_conversation(config, params, tokenizers.ByteTokenizer(), "Be brief.",
+                                      ["Hi there!", "Spell cat."], 8)
+  result = subprocess.run(
+      [sys.executable, os.path.join(REPO, "experiments", "chat.py"), f"--hf_dir={tmp_path / 'hf'}",
+       "--tokenizer=byte", "--system=Be brief.", "--temperature=0", "--max_new_tokens=8"],
+      input="Hi there!\nSpell cat.\n/reset\nHi there!\n/quit\nnever read\n", capture_output=True,
+      text=True, timeout=300, env=dict(os.environ, XLA_FLAGS=""), check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout == (f"> Hi there!\n{replies[0]}\n> Spell cat.\n{replies[1]}\n"
+                           f"> /reset\n(a new conversation)\n> Hi there!\n{replies[0]}\n"
+                           "> /quit\n")
+
+
+def test_chat_app_refuses_a_bad_option_before_chatting(tmp_path):
+  config = small("gemma3-tiny")
+  gj.hf.save(str(tmp_path / "hf"), config, random_params(config))
+  result = subprocess.run(
+      [sys.executable, os.path.join(REPO, "experiments", "chat.py"), f"--hf_dir={tmp_path / 'hf'}",
+       "--tokenizer=byte", "--top_p=0"], input="Hi\n", capture_output=True, text=True,
+      timeout=300, env=dict(os.environ, XLA_FLAGS=""), check=False)
+  assert result.returncode == 1 and result.stdout == ""
+  assert result.stderr.strip().splitlines() == [
+      "chat.py: error: top_p must lie in (0, 1] (1: all tokens), got 0.0"]
