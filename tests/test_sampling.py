@@ -139,6 +139,31 @@ def test_sampler_refuses_new_tokens_past_the_learned_positions():
     sample(["abc"], max_new_tokens=14)
 
 
+def test_sampler_stops_at_the_end_of_turn_id_as_well_as_eos():
+  """A tokenizer whose end-of-turn id is the first greedy token not sampled before it: the
+  sample is the tokens before it; with no turn marker the sampler runs on past it."""
+  config = gj.get_config("gpt3-52k")
+  config.model.trainable_position_size = config.data.seq_len = 16
+  model = gj.transform(config)
+  params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+  tokenizer = tokenizers.ByteTokenizer()
+  row = np.zeros((1, 16), np.int32)
+  row[0, :4] = [tokenizer.bos_id, *tokenizer.encode(["abc"])[0]]
+  for p in range(3, 9):
+    row[0, p + 1] = np.argmax(model.apply(params, jnp.asarray(row))[0, p])
+  greedy = row[0, 4:10]
+  first_new = next(k for k in range(1, 6) if greedy[k] not in greedy[:k])
+  assert tokenizer.eos_id not in greedy, greedy
+  tokenizer.end_of_turn_id = None
+  np.testing.assert_array_equal(
+      sampler.Sampler(config, params, tokenizer).sample(["abc"], max_new_tokens=6).tokens[0],
+      greedy)
+  tokenizer.end_of_turn_id = int(greedy[first_new])
+  np.testing.assert_array_equal(
+      sampler.Sampler(config, params, tokenizer).sample(["abc"], max_new_tokens=6).tokens[0],
+      greedy[:first_new])
+
+
 class MarkerTokenizer(tokenizers.ByteTokenizer):
   """Bytes, with "<img>" as the start-of-image id and "<soft>" as an image soft token."""
 
