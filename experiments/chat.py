@@ -17,16 +17,10 @@ from absl import flags
 
 import gemma_jax as gj
 from gemma_jax import apps
-from gemma_jax import workdir as workdir_lib
 from gemma_jax.inference import chat_session
 from gemma_jax.inference import sampler
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: its latest checkpoint, "
-                               "with the config and tokenizer it was trained with.")
-_HF_DIR = flags.DEFINE_string("hf_dir", None, "A transformers save_pretrained directory.")
-_TOKENIZER = flags.DEFINE_string(
-    "tokenizer", None, "'byte', a tokenizer file or directory; default: the run's with "
-    "--workdir, the directory's own files with --hf_dir.")
+_MODEL = apps.define_model_flags()
 _SYSTEM = flags.DEFINE_string("system", None, "A system prompt for every conversation.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 256, "Tokens per reply at most.")
 _MAX_LENGTH = flags.DEFINE_integer("max_length", None, "Positions a conversation may take "
@@ -60,8 +54,7 @@ def _lines(interactive: bool):
 def main(argv):
   del argv
   try:
-    config, params, tokenizer = workdir_lib.load_model(
-        workdir=_WORKDIR.value, hf_dir=_HF_DIR.value, tokenizer=_TOKENIZER.value)
+    config, params, tokenizer = _MODEL.load()
     session = chat_session.ChatSession(config, params, tokenizer, max_length=_MAX_LENGTH.value,
                                        system=_SYSTEM.value, cache_dtype=_CACHE_DTYPE.value)
     sampler.check_options(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value,

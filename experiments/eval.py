@@ -19,13 +19,9 @@ from absl import flags
 
 from gemma_jax import apps
 from gemma_jax import config as config_lib
-from gemma_jax import workdir as workdir_lib
 from gemma_jax.training import data, evaluate
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: its latest checkpoint.")
-_HF_DIR = flags.DEFINE_string("hf_dir", None, "A transformers save_pretrained directory.")
-_TOKENIZER = flags.DEFINE_string("tokenizer", None, "'byte', a tokenizer file or directory; "
-                                 "default: the run's, or the directory's own files.")
+_MODEL = apps.define_model_flags()
 _DATA = flags.DEFINE_string("data", None, "Comma-separated globs of .txt/.jsonl files.")
 _FORMAT = flags.DEFINE_enum("format", "auto", config_lib.DATA_FORMATS,
                             "text, chat, or auto (chat where a JSONL line holds messages).")
@@ -52,20 +48,20 @@ def main(argv):
   try:
     if _BATCH_SIZE.value < 1:
       raise ValueError(f"--batch_size must be >= 1, got {_BATCH_SIZE.value}")
-    config, params, tokenizer = workdir_lib.load_model(
-        workdir=_WORKDIR.value, hf_dir=_HF_DIR.value, tokenizer=_TOKENIZER.value)
+    config, params, tokenizer = _MODEL.load()
     data_config = config.data
     with data_config.unlocked():
       data_config.update(dict(path=_DATA.value, format=_FORMAT.value,
                               text_field=_TEXT_FIELD.value))
-      data_config.seq_len = _SEQ_LEN.value or (data_config.seq_len if _WORKDIR.value else 1024)
+      run_seq_len = data_config.seq_len if _MODEL.workdir.value else 1024
+      data_config.seq_len = _SEQ_LEN.value or run_seq_len
     config_lib.validate(config)
     figures = evaluate.evaluate(config, params, data.load_all(data_config, tokenizer),
                                 _BATCH_SIZE.value)
   except (config_lib.ConfigError, ValueError, OSError) as error:   # Data/Workdir/Checkpoint
     sys.exit(f"eval.py: error: {error}")
-  model = _WORKDIR.value or _HF_DIR.value
-  out = _JSON.value or os.path.join(_WORKDIR.value or ".", "eval.json")
+  model = _MODEL.workdir.value or _MODEL.hf_dir.value
+  out = _JSON.value or os.path.join(_MODEL.workdir.value or ".", "eval.json")
   with open(out, "w") as f:
     json.dump(dict(figures, model=model, data=_DATA.value, seq_len=data_config.seq_len), f,
               indent=2)

@@ -18,15 +18,9 @@ from absl import flags
 
 import gemma_jax as gj
 from gemma_jax import apps
-from gemma_jax import workdir as workdir_lib
 from gemma_jax.inference import sampler
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir: its latest checkpoint, "
-                               "with the config and tokenizer it was trained with.")
-_HF_DIR = flags.DEFINE_string("hf_dir", None, "A transformers save_pretrained directory.")
-_TOKENIZER = flags.DEFINE_string(
-    "tokenizer", None, "'byte', a tokenizer file or directory; default: the run's with "
-    "--workdir, the directory's own files with --hf_dir.")
+_MODEL = apps.define_model_flags()
 _PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 is greedy.")
@@ -49,8 +43,7 @@ def main(argv):
     if _CACHE_DTYPE.value is not None and _CACHE_DTYPE.value not in gj.config.DTYPES:
       raise ValueError(f"--cache_dtype: {_CACHE_DTYPE.value!r} is not one of "
                        f"{', '.join(gj.config.DTYPES)}")
-    config, params, tokenizer = workdir_lib.load_model(
-        workdir=_WORKDIR.value, hf_dir=_HF_DIR.value, tokenizer=_TOKENIZER.value)
+    config, params, tokenizer = _MODEL.load()
     samples = sampler.Sampler(config, params, tokenizer, cache_dtype=_CACHE_DTYPE.value).sample(
         [_PROMPT.value], max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
         top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value,

@@ -1,4 +1,5 @@
-"""What every absl app in experiments/ shares: `run(main)` instead of `absl.app.run(main)`.
+"""What every absl app in experiments/ shares: `run(main)` instead of `absl.app.run(main)`,
+and `define_model_flags()` for the apps that run a trained model.
 
 It keeps absl's behaviour (--help, flags, UsageError) and adds two things:
 - a bad --config file or --config.* override ends with one line on stderr that names
@@ -15,13 +16,15 @@ import importlib.util
 import os
 import re
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_dict
 from ml_collections.config_flags import config_flags
+
+from gemma_jax import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 USAGE_ERROR = 2   # the exit status of a refused command line, as argparse's
@@ -30,6 +33,30 @@ USAGE_ERROR = 2   # the exit status of a refused command line, as argparse's
 def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None) -> None:
   """absl.app.run(main) with one-line config errors and a quiet console."""
   app.run(_quietly(main), argv=argv, flags_parser=parse_flags)
+
+
+class ModelFlags(NamedTuple):
+  """--workdir, --hf_dir and --tokenizer: where an app's model comes from."""
+  workdir: flags.FlagHolder
+  hf_dir: flags.FlagHolder
+  tokenizer: flags.FlagHolder
+
+  def load(self) -> workdir_lib.Loaded:
+    """(config, params, tokenizer) of the workdir or transformers directory given."""
+    return workdir_lib.load_model(workdir=self.workdir.value, hf_dir=self.hf_dir.value,
+                                  tokenizer=self.tokenizer.value)
+
+
+def define_model_flags() -> ModelFlags:
+  """Defines the flags of `ModelFlags`: a training workdir (its latest checkpoint, LoRA
+  merged, and the config and tokenizer it was trained with) or a transformers directory."""
+  return ModelFlags(
+      flags.DEFINE_string("workdir", None, "Training workdir: its latest checkpoint, with "
+                          "the config and tokenizer it was trained with."),
+      flags.DEFINE_string("hf_dir", None, "A transformers save_pretrained directory."),
+      flags.DEFINE_string("tokenizer", None, "'byte', a tokenizer file or directory; "
+                          "default: the run's with --workdir, the directory's own files "
+                          "with --hf_dir."))
 
 
 def _quietly(main):

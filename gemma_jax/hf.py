@@ -489,19 +489,25 @@ def _unrolled_shapes(config: config_dict.ConfigDict) -> dict:
   return jax.eval_shape(transform(unrolled).init, jax.random.key(0), tokens)
 
 
-def load_config(path: str) -> config_dict.ConfigDict:
-  """The config of the transformers directory `path` (from its config.json), without
-  reading any weights."""
-  file = os.path.join(path, "config.json")
+def read_json_object(file: str) -> dict:
+  """The JSON object in `file`; a CheckpointError naming the file if it cannot be read or
+  holds anything else."""
   try:
     with open(file) as f:
-      hf_config = json.load(f)
+      value = json.load(f)
   except OSError as error:
     raise CheckpointError(f"{file}: cannot be read ({error.strerror})") from None
   except ValueError as error:
     raise CheckpointError(f"{file}: not JSON ({error})") from None
-  if not isinstance(hf_config, dict):
+  if not isinstance(value, dict):
     raise CheckpointError(f"{file}: not a JSON object")
+  return value
+
+
+def load_config(path: str) -> config_dict.ConfigDict:
+  """The config of the transformers directory `path` (from its config.json), without
+  reading any weights."""
+  hf_config = read_json_object(os.path.join(path, "config.json"))
   return _family(hf_config.get("model_type") == "gpt2").config_from_hf(hf_config)
 
 

@@ -111,15 +111,7 @@ def save(directory: str, config: config_dict.ConfigDict, adapters: dict,
 def _read_config(directory: str, config: config_dict.ConfigDict) -> None:
   """Checks adapter_config.json against config.lora and what this mapping implements."""
   file = os.path.join(directory, CONFIG_FILE)
-  try:
-    with open(file) as f:
-      peft_config = json.load(f)
-  except OSError as error:
-    raise CheckpointError(f"{file}: cannot be read ({error.strerror})") from None
-  except ValueError as error:
-    raise CheckpointError(f"{file}: not JSON ({error})") from None
-  if not isinstance(peft_config, dict):
-    raise CheckpointError(f"{file}: not a JSON object")
+  peft_config = hf.read_json_object(file)
   for key, allowed in _REQUIRED.items():
     if peft_config.get(key, allowed[0]) not in allowed:
       raise CheckpointError(f"{file}: {key}={peft_config[key]!r} is not supported "

@@ -15,6 +15,7 @@ from gemma_jax import chat
 from gemma_jax.inference import make_decoding
 from gemma_jax.inference.chat_session import ChatSession
 from gemma_jax.training import tokenizers
+from test_decoding import random_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,14 +25,6 @@ def small(preset, **model):
   config.model.update(dict(dict(num_layers=3, attention_pattern=("local", "local", "global"),
                                 sliding_window=8), **model))
   return config
-
-
-def random_params(config, seed=0):
-  """Every parameter random (norm scales included), so no layer is an identity."""
-  shapes = jax.eval_shape(gj.transform(config).init, jax.random.key(0),
-                          jax.ShapeDtypeStruct((1, 8), jnp.int32))
-  rng = np.random.RandomState(seed)
-  return jax.tree.map(lambda s: jnp.asarray(rng.normal(0, 0.3, s.shape), s.dtype), shapes)
 
 
 @pytest.mark.parametrize("preset, model", [

@@ -117,20 +117,27 @@ def test_bad_options_name_themselves(options, message):
     sampler.check_options(**dict(dict(temperature=1.0, top_k=0, top_p=1.0), **options))
 
 
-def test_sampler_refuses_new_tokens_past_the_learned_positions():
-  """GPT-3 with a table of 16 positions, a byte-level prompt of BOS + 3 bytes: 13 new
-  tokens reach position 15 and are the full forward's greedy ones; 14 would need
-  position 16."""
+def gpt3_greedy_after_abc(new_tokens):
+  """GPT-3 with a table of 16 positions and a byte tokenizer -> (config, params,
+  tokenizer, the `new_tokens` greedy tokens after BOS + "abc", each the argmax of a full
+  forward over the row so far)."""
   config = gj.get_config("gpt3-52k")
   config.model.trainable_position_size = config.data.seq_len = 16
   model = gj.transform(config)
   params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
   tokenizer = tokenizers.ByteTokenizer()
-  row = np.zeros((1, 16), np.int32)
+  row = np.zeros((1, 17), np.int32)
   row[0, :4] = [tokenizer.bos_id, *tokenizer.encode(["abc"])[0]]
-  for p in range(3, 15):   # the causal model's logits at p see only row[:, :p + 1]
-    row[0, p + 1] = np.argmax(model.apply(params, jnp.asarray(row))[0, p])
-  greedy = np.append(row[0, 4:], np.argmax(model.apply(params, jnp.asarray(row))[0, 15]))
+  for p in range(3, 3 + new_tokens):   # the causal model's logits at p see only row[:, :p + 1]
+    row[0, p + 1] = np.argmax(model.apply(params, jnp.asarray(row[:, :16]))[0, p])
+  return config, params, tokenizer, row[0, 4:4 + new_tokens]
+
+
+def test_sampler_refuses_new_tokens_past_the_learned_positions():
+  """GPT-3 with a table of 16 positions, a byte-level prompt of BOS + 3 bytes: 13 new
+  tokens reach position 15 and are the full forward's greedy ones; 14 would need
+  position 16."""
+  config, params, tokenizer, greedy = gpt3_greedy_after_abc(13)
   assert tokenizer.eos_id not in greedy   # so the sampler returns all 13
   sample = sampler.Sampler(config, params, tokenizer).sample
   np.testing.assert_array_equal(sample(["abc"], max_new_tokens=13).tokens[0], greedy)
@@ -142,16 +149,7 @@ def test_sampler_refuses_new_tokens_past_the_learned_positions():
 def test_sampler_stops_at_the_end_of_turn_id_as_well_as_eos():
   """A tokenizer whose end-of-turn id is the first greedy token not sampled before it: the
   sample is the tokens before it; with no turn marker the sampler runs on past it."""
-  config = gj.get_config("gpt3-52k")
-  config.model.trainable_position_size = config.data.seq_len = 16
-  model = gj.transform(config)
-  params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
-  tokenizer = tokenizers.ByteTokenizer()
-  row = np.zeros((1, 16), np.int32)
-  row[0, :4] = [tokenizer.bos_id, *tokenizer.encode(["abc"])[0]]
-  for p in range(3, 9):
-    row[0, p + 1] = np.argmax(model.apply(params, jnp.asarray(row))[0, p])
-  greedy = row[0, 4:10]
+  config, params, tokenizer, greedy = gpt3_greedy_after_abc(6)
   first_new = next(k for k in range(1, 6) if greedy[k] not in greedy[:k])
   assert tokenizer.eos_id not in greedy, greedy
   tokenizer.end_of_turn_id = None
