@@ -16,7 +16,7 @@ after them run unscanned. Without it every layer is unrolled. Parameter names:
 tower's scanned `vision/encoder/layers` and unrolled `vision/encoder/layers_{i}`.
 """
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -181,14 +181,17 @@ class Decoder(nn.Module):
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
-def _stack(layers: Sequence[Any]) -> Any:
+def _stack_arrays(arrays: Sequence[Any]) -> Any:
+  """Host arrays stacked on the host, device arrays on the device."""
+  if all(isinstance(a, np.ndarray) for a in arrays):
+    return np.stack(arrays)
+  return jnp.stack(arrays)
+
+
+def _stack(layers: Sequence[Any], stack_leaves: Callable[[list], Any]) -> Any:
   """Parameter trees of one structure -> one tree, leaves stacked on a new leading layer
-  axis: host arrays on the host, device arrays on the device."""
-  def stack(*arrays):
-    if all(isinstance(a, np.ndarray) for a in arrays):
-      return np.stack(arrays)
-    return jnp.stack(arrays)
-  return jax.tree_util.tree_map(stack, *layers)
+  axis by `stack_leaves`."""
+  return jax.tree_util.tree_map(lambda *leaves: stack_leaves(list(leaves)), *layers)
 
 
 def _unstack(stacked: Any) -> List[Any]:
@@ -216,21 +219,24 @@ def unstack_layers(params: dict, config: config_dict.ConfigDict) -> dict:
   return params
 
 
-def stack_layers(params: dict, config: config_dict.ConfigDict) -> dict:
+def stack_layers(params: dict, config: config_dict.ConfigDict,
+                 stack_leaves: Callable[[list], Any] = _stack_arrays) -> dict:
   """`layers_{i}` parameter tree -> the layout `config.scan_layers` asks for, the vision
-  tower's `encoder/layers_{i}` too."""
+  tower's `encoder/layers_{i}` too; `stack_leaves` makes one [layers, ...] leaf of the
+  layers' leaves (default: numpy or jax.numpy stacking)."""
   params = dict(params)
   if "vision" in params and config.scan_layers:
     encoder = dict(params["vision"]["encoder"])
     encoder["layers"] = _stack([encoder.pop(f"layers_{i}")
-                                for i in range(config.vision.num_layers)])
+                                for i in range(config.vision.num_layers)], stack_leaves)
     params["vision"] = dict(params["vision"], encoder=encoder)
   n_blocks = scanned_block_count(config)
   if not n_blocks:
     return params
   period = len(config.attention_pattern)
   params["blocks"] = {
-      f"layer_{j}": _stack([params.pop(f"layers_{b * period + j}") for b in range(n_blocks)])
+      f"layer_{j}": _stack([params.pop(f"layers_{b * period + j}") for b in range(n_blocks)],
+                           stack_leaves)
       for j in range(period)
   }
   return params

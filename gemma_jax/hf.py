@@ -8,7 +8,8 @@ mixture-of-experts), `Gemma3ForConditionalGeneration` ones whole (the vision tow
 projector through `gemma_jax.hf_vision`; a model with `vision.enabled` saves as one) and
 the text part of `Gemma4ForConditionalGeneration` (transformers 4 and 5 name layouts). Linear weights are stored [..., out, in] there and
 [..., in..., out...] here; everything else is copied. Parameters come back as host
-numpy arrays in the config's `param_dtype`. GPT-2 checkpoints (`GPT2LMHeadModel`,
+numpy arrays in the config's `param_dtype`, or straight onto a mesh (`load(...,
+shardings=...)`, each device's part read alone). GPT-2 checkpoints (`GPT2LMHeadModel`,
 `GPT2Model`) load into the GPT-3 block and a GPT-3 model saves as one; their mapping is
 `gemma_jax.hf_gpt2`.
 """
@@ -31,6 +32,7 @@ from ml_collections import config_dict
 from gemma_jax import config as config_lib
 from gemma_jax import hf_vision
 from gemma_jax import safetensors_io
+from gemma_jax import sharded_read
 from gemma_jax.decoder import layer_types, stack_layers, unstack_layers
 from gemma_jax.transformer import transform
 
@@ -511,14 +513,18 @@ def load_config(path: str) -> config_dict.ConfigDict:
   return _family(hf_config.get("model_type") == "gpt2").config_from_hf(hf_config)
 
 
-def load(path: str, *, param_dtype: str = "float32",
-         scan_layers: bool = True) -> Tuple[config_dict.ConfigDict, dict]:
+def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
+         shardings: Optional[dict] = None) -> Tuple[config_dict.ConfigDict, dict]:
   """Reads a transformers save_pretrained directory -> (config, params).
 
   Args:
     path: directory with config.json and *.safetensors (sharded or not).
     param_dtype: dtype of the returned parameters (and config.model.param_dtype).
     scan_layers: parameter layout to return (config.model.scan_layers).
+    shardings: a tree of shardings like the parameters' (e.g.
+      `gemma_jax.sharding.param_shardings`): the parameters come back as jax.Arrays laid
+      out by them, each device's part read from the memory-mapped files alone
+      (`gemma_jax.sharded_read`). Default: whole host numpy arrays.
   """
   config = load_config(path)
   config.model.param_dtype = param_dtype
@@ -541,14 +547,18 @@ def load(path: str, *, param_dtype: str = "float32",
     if isinstance(value, str):
       mismatched.append(f"{name}: {value}")
       continue
-    params[key] = np.asarray(value, dtype=np.dtype(param_dtype))
+    params[key] = value if shardings else np.asarray(value, dtype=np.dtype(param_dtype))
   unexpected += sorted(set(tensors) - used)
   problems = [f"missing tensors: {missing}" if missing else "",
               f"unexpected tensors: {unexpected}" if unexpected else "",
               f"shape mismatches: {mismatched}" if mismatched else ""]
   if any(problems):
     raise CheckpointError(f"{path}: " + "; ".join(p for p in problems if p))
-  return config, stack_layers(flax.traverse_util.unflatten_dict(params), config.model)
+  params = flax.traverse_util.unflatten_dict(params)
+  if not shardings:
+    return config, stack_layers(params, config.model)
+  views = stack_layers(params, config.model, stack_leaves=sharded_read.LayerStack)
+  return config, sharded_read.place(views, shardings, np.dtype(param_dtype))
 
 
 def _fsync(path: str) -> None:

@@ -143,11 +143,13 @@ def _offset(path: Tuple[str, ...]) -> float:
 
 def from_hf(value: np.ndarray, path: Tuple[str, ...],
             shape: Tuple[int, ...]) -> Union[np.ndarray, str]:
-  """A stored tensor -> our parameter of `shape`, or why it does not fit."""
+  """A stored tensor -> our parameter of `shape` (a view of it but for LayerNorm
+  scales), or why it does not fit."""
   stored = _stored_shape(path, shape)
   if value.shape != stored:
     return f"{value.shape} != expected {stored}"
-  return value.reshape(shape) - np.asarray(_offset(path), value.dtype)
+  ours = value.reshape(shape)
+  return ours - np.asarray(_offset(path), value.dtype) if _offset(path) else ours
 
 
 def to_hf(value: np.ndarray, path: Tuple[str, ...]) -> Tuple[str, int, np.ndarray]:

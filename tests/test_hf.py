@@ -15,7 +15,7 @@ import transformers
 from safetensors import torch as st_torch
 
 import gemma_jax as gj
-from gemma_jax import safetensors_io
+from gemma_jax import safetensors_io, sharded_read, sharding
 from gemma_jax.decoder import layer_types
 import torch_reference
 from torch_reference import torch_logits
@@ -68,6 +68,45 @@ def test_loaded_logits_match_transformers(checkpoint, scan_layers):
   tokens = token_batch()
   ours = gj.transform(config).apply(params, jnp.asarray(tokens))
   assert np.abs(np.asarray(ours) - torch_logits(model, tokens)).max() <= 1e-4
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_load_onto_a_mesh_reads_each_device_part_alone(checkpoint, scan_layers, monkeypatch):
+  """hf.load(shardings=...) on 8 devices (fsdp 4 x tensor 2; fsdp 8 for one kv head)
+  equals the whole host load,
+  laid out by the shardings. Nothing is read before placement (every leaf handed to
+  `sharded_read.place` is a view of the memory-mapped files), and each part read has the
+  shape of one device's shard, never a whole tensor."""
+  _, path = checkpoint
+  config, host = gj.hf.load(path, scan_layers=scan_layers)
+  tensor = min(2, config.model.num_kv_heads)
+  config.mesh.update(data=1, fsdp=8 // tensor, tensor=tensor)
+  shardings = sharding.param_shardings(config, sharding.make_mesh(config.mesh))
+  views, parts = [], []
+  place, make_array = sharded_read.place, jax.make_array_from_callback
+
+  def recording_place(tree, tree_shardings, dtype):
+    for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, sharded_read.LayerStack)):
+      views.extend(leaf.layers if isinstance(leaf, sharded_read.LayerStack) else [leaf])
+    return place(tree, tree_shardings, dtype)
+
+  def recording_make_array(shape, layout, callback):
+    def read(index):
+      part = callback(index)
+      parts.append((part.shape, layout.shard_shape(shape), shape))
+      return part
+    return make_array(shape, layout, read)
+
+  monkeypatch.setattr(sharded_read, "place", recording_place)
+  monkeypatch.setattr(jax, "make_array_from_callback", recording_make_array)
+  _, placed = gj.hf.load(path, scan_layers=scan_layers, shardings=shardings)
+  assert views and not any(view.flags.owndata for view in views)
+  assert all(part == shard for part, shard, _ in parts)
+  assert sum(part != whole for part, _, whole in parts) > len(parts) // 2   # most are split
+  for ours, whole, layout in zip(jax.tree.leaves(placed), jax.tree.leaves(host),
+                                 jax.tree.leaves(shardings)):
+    assert ours.sharding == layout
+    np.testing.assert_array_equal(np.asarray(ours), whole)
 
 
 def test_packed_segments_equal_separate_documents(checkpoint):

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import torch
 import transformers
 
 import gemma_jax as gj
+from gemma_jax import sharding
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.training import data, init_from, loop, tokenizers
 
@@ -128,6 +130,32 @@ def test_training_from_a_transformers_checkpoint_starts_from_its_weights(
                              / batch["weights"].sum(), rtol=1e-5)
   # Before training, the run evaluated the checkpoint's weights: step 0.
   assert start["step"] == 0 and start["eval_loss"] == summary["start_eval_loss"]
+
+
+def test_weights_load_straight_onto_a_mesh(hf_checkpoint, corpus, tmp_path):
+  """base_params(config, mesh) of a transformers directory and of a LoRA workdir trained
+  from it (restored onto the mesh, adapters merged) equal the host load, laid out by the
+  sharding rules (fsdp 8: every kernel and the embedding split)."""
+  _, path = hf_checkpoint
+  workdir = str(tmp_path / "lora")
+  tuned = run_config(corpus, init_from=path)
+  tuned.lora.update(rank=4, alpha=8.0)
+  loop.train(tuned, workdir)
+  mesh_config = gj.get_config("gemma3-tiny").mesh
+  mesh_config.update(data=1, fsdp=8)
+  mesh = sharding.make_mesh(mesh_config)
+  for source in (path, workdir):
+    config = init_from.resolve(run_config(corpus, init_from=source))
+    placed = init_from.base_params(config, mesh)
+    layouts = sharding.param_shardings(config, mesh)
+    for ours, whole, layout in zip(jax.tree.leaves(placed),
+                                   jax.tree.leaves(init_from.base_params(config)),
+                                   jax.tree.leaves(layouts)):
+      assert ours.sharding == layout
+      np.testing.assert_allclose(np.asarray(ours), whole, rtol=1e-6, atol=1e-7)
+    kernels = [a for p, a in jax.tree_util.tree_leaves_with_path(placed)
+               if jax.tree_util.keystr(p).endswith(("['kernel']", "['embedding']"))]
+    assert kernels and all(not a.sharding.is_fully_replicated for a in kernels), source
 
 
 def test_a_model_flag_contradicting_the_checkpoint_is_named(hf_checkpoint, corpus, tmp_path):

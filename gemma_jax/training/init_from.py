@@ -8,12 +8,12 @@ is a ConfigError naming it.
 """
 
 import os
-from typing import Collection, Tuple
+from typing import Collection, Optional, Tuple
 
 import jax
 from ml_collections import config_dict
 
-from gemma_jax import hf, lora, transformer
+from gemma_jax import hf, lora, sharding, transformer
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.config import ConfigError
 from gemma_jax.training import checkpoints, optimizer, steps
@@ -73,17 +73,23 @@ def resolve(config: config_dict.ConfigDict,
   return workdir_lib.config_from_dict(resolved.to_dict())
 
 
-def restore_params(config: config_dict.ConfigDict, workdir: str):
+def restore_params(config: config_dict.ConfigDict, workdir: str,
+                   mesh: Optional[jax.sharding.Mesh] = None):
   """The parameters of a workdir's latest checkpoint as trained (with LoRA, the adapters
-  alone), on the default device."""
+  alone): on the default device, or laid out on `mesh` by the sharding rules (each host
+  restoring its own shards)."""
   model = transformer.transform(config)
   tx = optimizer.make_optimizer(
       config.optimizer, optimizer.learning_rate_schedule(config.optimizer, config.train.steps))
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  like = jax.tree.map(
-      lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device),
-      jax.eval_shape(lambda: steps.init_state(model, tx, config.seed, config.data.seq_len,
-                                              trained=steps.trained_part(config))))
+  abstract = jax.eval_shape(lambda: steps.init_state(
+      model, tx, config.seed, config.data.seq_len, trained=steps.trained_part(config)))
+  if mesh is None:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    shardings = jax.tree.map(lambda _: device, abstract)
+  else:
+    shardings = steps.state_shardings(config, tx, abstract, mesh)
+  like = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      abstract, shardings)
   directory = workdir_lib.checkpoint_dir(workdir)
   checkpointer = checkpoints.Checkpointer(directory, config.checkpoint.keep)
   try:
@@ -95,26 +101,33 @@ def restore_params(config: config_dict.ConfigDict, workdir: str):
   return state.params
 
 
-def base_params(config: config_dict.ConfigDict, shardings=None) -> dict:
+def base_params(config: config_dict.ConfigDict,
+                mesh: Optional[jax.sharding.Mesh] = None) -> dict:
   """The weights `config.train.init_from` names, whole (a LoRA workdir's adapters merged),
-  in the config's layout and param_dtype, laid out by `shardings` when given."""
+  in the config's layout and param_dtype: host arrays, or laid out on `mesh` by the
+  sharding rules, each host reading only what its devices hold (from a transformers
+  directory's memory-mapped files, or a workdir's checkpoint)."""
   path = config.train.init_from
+  shardings = None if mesh is None else sharding.param_shardings(lora.disabled(config), mesh)
   if _kind(path) == "workdir":
-    _, params = merged(workdir_lib.load_config(path), path)
+    _, params = merged(workdir_lib.load_config(path), path, mesh)
   else:
     try:
       _, params = hf.load(path, param_dtype=config.model.param_dtype,
-                          scan_layers=config.model.scan_layers)
+                          scan_layers=config.model.scan_layers, shardings=shardings)
     except hf.CheckpointError as error:
       raise ConfigError("train.init_from", str(error)) from None
   params = jax.tree.map(lambda a: a.astype(config.model.param_dtype), params)
   return params if shardings is None else jax.device_put(params, shardings)
 
 
-def merged(config: config_dict.ConfigDict, workdir: str) -> Tuple[config_dict.ConfigDict, dict]:
+def merged(config: config_dict.ConfigDict, workdir: str,
+           mesh: Optional[jax.sharding.Mesh] = None) -> Tuple[config_dict.ConfigDict, dict]:
   """(config, params) of a workdir's latest checkpoint as one model: a LoRA run's
-  adapters merged into the base it started from (and lora.rank 0 in the config)."""
-  trained = restore_params(config, workdir)
+  adapters merged into the base it started from (and lora.rank 0 in the config); on the
+  default device, or laid out on `mesh`."""
+  trained = restore_params(config, workdir, mesh)
   if not config.lora.rank:
     return config, trained
-  return lora.disabled(config), lora.merge(config, lora.combine(base_params(config), trained))
+  base = base_params(config, mesh)
+  return lora.disabled(config), lora.merge(config, lora.combine(base, trained))

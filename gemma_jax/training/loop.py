@@ -139,12 +139,12 @@ def _tokenizer_name(config: config_dict.ConfigDict) -> str:
   return "byte"
 
 
-def _frozen_base(config: config_dict.ConfigDict, base_shardings):
-  """The weights LoRA adapts, laid out by `base_shardings`: train.init_from's."""
+def _frozen_base(config: config_dict.ConfigDict, mesh):
+  """The weights LoRA adapts, laid out on `mesh`: train.init_from's."""
   if not config.train.init_from:
     raise config_lib.ConfigError("lora.rank", "LoRA adapts pretrained weights: set "
                                  "train.init_from to a transformers directory or a workdir")
-  return init_from.base_params(config, base_shardings)
+  return init_from.base_params(config, mesh)
 
 
 def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -> dict:
@@ -222,14 +222,14 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
     init = jax.jit(init, out_shardings=state_shardings)
     frozen = {}
     if config.lora.rank:
-      frozen = _frozen_base(config, frozen_shardings)
+      frozen = _frozen_base(config, mesh)
     if checkpointer.latest_step() is not None:
       state, data_state = checkpointer.restore(jax.eval_shape(init))
       batches.restore(data_state)
       _say(f"resumed from step {int(state.step)} in {checkpoint_dir}"
            + (" (train.init_from is read only for a new run)" if t.init_from else ""))
     elif t.init_from and not config.lora.rank:
-      params = init_from.base_params(config, state_shardings.params)
+      params = init_from.base_params(config, mesh)
       state = jax.jit(lambda params: init()._replace(params=params, opt_state=tx.init(params)),
                       out_shardings=state_shardings)(params)
       _say(f"starting from the weights of {t.init_from}")
