@@ -26,7 +26,7 @@ import optax
 
 import common
 import gemma_jax as gj
-from gemma_jax import host_memory, sharding
+from gemma_jax import sharding
 from gemma_jax.training import data, steps
 
 MESHES = {
@@ -72,7 +72,6 @@ def time_mesh(mesh_sizes: dict) -> float:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  host_memory.keep_freed_memory()
   results = {name: time_mesh(sizes) for name, sizes in MESHES.items()}
   base = results["data8 (experts replicated)"]
   common.print_table(

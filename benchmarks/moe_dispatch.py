@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 import common
-from gemma_jax import host_memory
 from gemma_jax.layers import expert_dispatch
 from gemma_jax.layers.mlp import ACTIVATIONS
 
@@ -69,7 +68,6 @@ def routed_baseline(x, ids, weights, gate, up, down):
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  host_memory.keep_freed_memory()
   backend = jax.default_backend()
   results = []
   for num_experts in [int(e) for e in _EXPERTS.value]:

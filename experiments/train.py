@@ -22,7 +22,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from gemma_jax import apps, host_memory, sharding
+from gemma_jax import apps, sharding
 from gemma_jax.config import ConfigError
 from gemma_jax.workdir import WorkdirError
 from gemma_jax.training import loop
@@ -30,18 +30,12 @@ from gemma_jax.training import loop
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
-_KEEP_FREED = flags.DEFINE_bool(
-    "keep_freed_host_memory", True,
-    "Keep freed host memory for reuse (gemma_jax.host_memory): CPU steps stop faulting "
-    "their temporaries in afresh; the process keeps its peak host memory.")
 flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _KEEP_FREED.value:
-    host_memory.keep_freed_memory()
   # Model fields set on the command line: from a checkpoint only compute options may be.
   overridden = {m.group(1) for m in map(re.compile(r"--config\.model\.(\w+)").match, sys.argv)
                 if m}

@@ -5,8 +5,16 @@
     model = gj.transform(config)
     params = model.init(jax.random.key(0), tokens)
     logits = model.apply(params, tokens)
+
+On a CPU-only install, importing it sets glibc's malloc to reuse freed memory
+(`gemma_jax.host_memory`; GEMMA_JAX_KEEP_FREED_MEMORY=0 leaves malloc alone).
 """
 
+from gemma_jax import host_memory
+
+host_memory.keep_freed_memory_on_cpu()
+
+# pylint: disable=wrong-import-position   (malloc is set before jax is imported)
 from gemma_jax import hf
 from gemma_jax.config import ConfigError, default_config, validate
 from gemma_jax.presets import PRESETS, get_config

@@ -1,11 +1,15 @@
 """keep_freed_memory: 64 MiB that a worker thread mallocs, fills and frees is faulted in
 once, not again when it mallocs the same size, counted in fresh processes against one
-that does not call it (where glibc maps and unmaps the block each time). Where the C
-library is not glibc, it must report that it changed nothing."""
+that does not call it (where glibc maps and unmaps the block each time). `import
+gemma_jax` calls it on a CPU-only install, unless told not to or an accelerator is the
+platform. Where the C library is not glibc, it must report that it changed nothing."""
 
+import os
 import platform
 import subprocess
 import sys
+
+import pytest
 
 from gemma_jax import host_memory
 from test_training import REPO
@@ -14,8 +18,9 @@ from test_training import REPO
 # Prints the minor page faults of the second time and the pages of the block.
 SCRIPT = """
 import ctypes, resource, sys, threading
+import gemma_jax
 from gemma_jax import host_memory
-if sys.argv[1] == "keep":
+if sys.argv[1] == "call":
   assert host_memory.keep_freed_memory()
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
@@ -39,18 +44,41 @@ print(faults[1] - faults[0], size // 4096)
 """
 
 
-def second_time_faults(mode: str):
+def second_time_faults(mode: str = "import", **environment):
+  """(faults of the second fill, pages of the block) in a fresh process that imports
+  gemma_jax under `environment` (JAX_PLATFORMS unset unless given) and, for mode "call",
+  then calls keep_freed_memory."""
+  env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", host_memory.OPT_OUT)}
   out = subprocess.run([sys.executable, "-c", SCRIPT, mode], cwd=REPO, check=True,
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, env=dict(env, **environment))
   faults, pages = out.stdout.split()
   return int(faults), int(pages)
 
 
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+
+
+@glibc_only
 def test_keep_freed_memory_stops_a_freed_block_faulting_in_again():
-  if platform.libc_ver()[0] != "glibc":           # musl, macOS: nothing to set, nothing set
-    assert host_memory.keep_freed_memory() is False
-    return
-  default, pages = second_time_faults("default")
-  kept, _ = second_time_faults("keep")
+  default, pages = second_time_faults(GEMMA_JAX_KEEP_FREED_MEMORY="0")
+  kept, _ = second_time_faults("call", GEMMA_JAX_KEEP_FREED_MEMORY="0")
   assert default > pages / 2, (default, pages)      # mapped afresh, faulted in again
   assert kept < pages / 50, (kept, pages)           # reused: almost no faults
+
+
+@glibc_only
+def test_importing_gemma_jax_keeps_freed_memory_where_the_cpu_runs_jax():
+  """This machine has no accelerator plugin: the import alone sets it; with JAX_PLATFORMS
+  naming a GPU first, it leaves malloc alone."""
+  imported, pages = second_time_faults()
+  on_gpu, _ = second_time_faults(JAX_PLATFORMS="cuda,cpu")
+  assert not host_memory.accelerator_installed()
+  assert imported < pages / 50, (imported, pages)
+  assert on_gpu > pages / 2, (on_gpu, pages)
+
+
+def test_keep_freed_memory_changes_nothing_without_glibc():
+  if platform.libc_ver()[0] == "glibc":
+    assert host_memory.keep_freed_memory() is True
+  else:                                             # musl, macOS: nothing to set
+    assert host_memory.keep_freed_memory() is False
