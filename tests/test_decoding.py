@@ -81,9 +81,16 @@ def test_prefill_then_decode_equals_the_full_forward(model):
   prefilled = dec.prefill(params, jnp.asarray(prompts), jnp.asarray(lengths), cache_length=width)
   got, want, cache = decode_along(dec, params, prefilled, seq, lengths, full, steps)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+  # The parameters unrolled once (as Sampler and ChatSession hold them) decode the same.
+  unrolled = dec.unrolled(params)
+  assert not {"blocks"} & set(unrolled) and len(jax.tree.leaves(unrolled)) >= len(
+      jax.tree.leaves(params))
+  again, _, _ = decode_along(dec, unrolled, dec.prefill(unrolled, jnp.asarray(prompts),
+                                                        jnp.asarray(lengths), cache_length=width),
+                             seq, lengths, full, steps)
+  chex.assert_trees_all_close(again, got, atol=1e-6, rtol=0)
 
-  # Local rings hold the window, global layers the whole context; scanned caches stack
-  # like the parameters.
+  # Local rings hold the window, global layers the whole context; one cache per layer.
   slots = {"local": WINDOW, "global": width}
   layers = decoder.unstack_layers(cache.layers, config.model)
   for i, kind in enumerate(decoder.layer_types(config.model)):

@@ -26,8 +26,8 @@ class ChatSession:
   """One conversation with a model (batch 1), its cache kept across turns.
 
   Args:
-    config, params, tokenizer: the model (merged parameters) and a tokenizer with turn
-      markers.
+    config, params, tokenizer: the model (merged parameters; a scanned tree is held
+      unrolled, a copy) and a tokenizer with turn markers.
     max_length: positions the cache holds; a turn that would need more is refused (start
       again with `reset`). Default: the learned position table, else 4096.
     system: a system prompt, folded into the first user turn as the template does.
@@ -38,10 +38,11 @@ class ChatSession:
                max_length: Optional[int] = None, system: Optional[str] = None,
                cache_dtype: Optional[str] = None):
     chat.generation_prompt_ids(tokenizer)   # a tokenizer without turn markers fails here
-    self.config, self.params, self.tokenizer, self.system = config, params, tokenizer, system
+    self.config, self.tokenizer, self.system = config, tokenizer, system
     self.max_length = max_length or config.model.trainable_position_size or 4096
     self.cache_dtype = cache_dtype or decoding_lib.default_cache_dtype(config)
     self.decoding = decoding_lib.make_decoding(config)
+    self.params = self.decoding.unrolled(params)   # once: every token is its own call
     self.reset()
 
   def reset(self) -> None:

@@ -13,6 +13,13 @@ so 5 layers in 6 hold a window, not the context. The masks come from the positio
 each slot holds (-1: empty), so no query sees padding, an empty slot, or a key
 outside its window.
 
+The layers run unrolled whatever `scan_layers` says: under a scan each decode step
+would slice every layer's weights out of their stack, a copy of the whole model per
+token (2.0x slower decoding at 12 layers on the CPU, where the scan copies them). The
+functions take either parameter layout; a scanned tree is unstacked inside each call,
+so a caller that makes many calls converts it once with `Decoding.unrolled` (`Sampler`,
+`generate` and `ChatSession` do).
+
 Dims: B batch, P prompt length, S cache slots, K key/value heads, H head dim, V vocab.
 """
 
@@ -25,7 +32,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
-from gemma_jax.decoder import Decoder, layer_masks, layer_types
+from gemma_jax.decoder import Decoder, layer_masks, layer_types, unstack_layers
 from gemma_jax.layers.attention import Decode, Prefill, attention_mask
 from gemma_jax.models import vision
 from gemma_jax.transformer import _check_positions, _check_tokens
@@ -34,8 +41,8 @@ from gemma_jax.transformer import _check_positions, _check_tokens
 class Cache(NamedTuple):
   """The decoding state of a batch; a pytree.
 
-  layers: the layers' "cache" collection, the parameter tree's layout with "k" and "v"
-    [B, S, K, H] under each layer's attention (scanned blocks stacked on a leading axis).
+  layers: the layers' "cache" collection, the unrolled parameter tree's layout with "k"
+    and "v" [B, S, K, H] under each layer's attention (`layers_{i}`).
   positions: {attention type: [B, S] int32}, the position each slot holds, -1 if none.
   next_position: [B] int32, the position of each row's next token.
   """
@@ -47,10 +54,12 @@ class Cache(NamedTuple):
 class Decoding(NamedTuple):
   """prefill(params, tokens, lengths, *, cache_length, cache_dtype) -> (logits, cache);
   decode_step(params, tokens, cache) -> (logits, cache); extend(params, tokens, cache)
-  -> (logits, cache). All jitted."""
+  -> (logits, cache); unrolled(params) -> the parameters with one entry per layer (a
+  copy of a scanned tree; an unrolled one is returned as it is). All jitted."""
   prefill: Callable
   decode_step: Callable
   extend: Callable
+  unrolled: Callable
 
 
 def ring_sizes(config: config_dict.ConfigDict, cache_length: int) -> dict:
@@ -99,10 +108,15 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
   """Validates `config` and returns its jitted `prefill` and `decode_step`."""
   config_lib.validate(config)
   model = config_dict.FrozenConfigDict(config.model)
-  module = Decoder(model, deterministic=True)
+  module = Decoder(config_dict.FrozenConfigDict(dict(config.model.to_dict(), scan_layers=False)),
+                   deterministic=True)
+
+  def unrolled(params: dict) -> dict:
+    return unstack_layers(params, model)
 
   def run(params, layers, tokens, positions, segment_ids, masks, images=None):
     """The decoder with cache accesses `masks`: (logits, the "cache" collection after)."""
+    params = unrolled(params)
     variables = {"params": params} if layers is None else {"params": params, "cache": layers}
     logits, state = module.apply(variables, tokens, positions, segment_ids, masks=masks,
                                  images=images, mutable=["cache"])
@@ -187,6 +201,8 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     return _step(params, tokens, cache)
 
   def _extend_scan(params, tokens, cache):
+    params = unrolled(params)   # once, not in every step of the scan
+
     def one(cache, token):
       logits, cache = step(params, token, cache)
       return cache, logits
@@ -209,4 +225,4 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
                      "cache.next_position + C - 1")
     return _extend(params, tokens, cache)
 
-  return Decoding(prefill, decode_step, extend)
+  return Decoding(prefill, decode_step, extend, jax.jit(unrolled))

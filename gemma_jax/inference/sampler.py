@@ -78,6 +78,7 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
   always sizes them to fit). Options as in `choose`; `rng` is split once per step. `images` [B, I, S,
   S, C] fill the prompts' image placeholder spans (a model with vision).
   """
+  params = decoding.unrolled(params)   # once, not in every step of the loop
   logits, cache = decoding.prefill(params, prompts, lengths, cache_length=cache_length,
                                    cache_dtype=cache_dtype, images=images)
   eos = jnp.asarray(eos_ids, jnp.int32)
