@@ -15,9 +15,14 @@ printed as a check), then times, alternating ours and theirs round by round:
 - greedy decoding: prefill a [B, P] prompt, then N tokens with the KV cache (ours:
   `sampler.generate`, one jitted while loop; theirs: `generate(do_sample=False)`).
 
-Both run in one process, so `--keep_freed_host_memory` (on by default, see
-`gemma_jax.host_memory`) applies to both: glibc's malloc then reuses freed memory instead
-of faulting fresh pages in, which speeds up ours and theirs.
+`--library_path` times what a user's own loop does instead of our training stack: a
+`jax.jit` of `jax.value_and_grad` over `gj.transform(config).apply` and the
+cross-entropy, with optax's clipped AdamW, no donation, nothing else called.
+
+Both run in one process, so the host-memory setting `import gemma_jax` makes on a CPU
+(`gemma_jax.host_memory`; GEMMA_JAX_KEEP_FREED_MEMORY=0 turns it off) applies to both:
+glibc's malloc reuses freed memory instead of faulting fresh pages in, which speeds up
+ours and theirs.
 
 MFU = tokens/s x model FLOPs per token / the FLOP/s of a square matmul (2048 on a CPU)
 timed in the same alternating rounds as the train steps, so that a shared machine's slow
@@ -33,6 +38,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import common
 import gemma_jax as gj
@@ -40,15 +46,18 @@ from gemma_jax import host_memory
 from gemma_jax.inference import decoding, sampler
 from gemma_jax.training import data, flops, optimizer, steps
 
-# Small Gemma 3 and Gemma 4-MoE shapes at d_model 512 (CPU-sized), or any preset by name.
+# Small Gemma 3 and Gemma 4-MoE shapes at d_model 512 (CPU-sized), or any preset by name;
+# gemma3-small and gemma4-moe-16x4 are issue 21's target shapes.
+_D512 = dict(vocab_size=4096, num_layers=6, d_model=512, num_heads=8, num_kv_heads=4,
+             head_dim=64, sliding_window=128)
+_MOE = dict(_D512, global_head_dim=128, global_num_kv_heads=2, mlp_dim=1024,
+            expert_mlp_dim=512)
 SHAPES = {
-    "gemma3": ("gemma3-tiny", dict(
-        vocab_size=4096, num_layers=6, d_model=512, num_heads=8, num_kv_heads=4, head_dim=64,
-        mlp_dim=2048, sliding_window=128)),
-    "gemma4-moe": ("gemma4-moe-tiny", dict(
-        vocab_size=4096, num_layers=6, d_model=512, num_heads=8, num_kv_heads=4, head_dim=64,
-        global_head_dim=128, global_num_kv_heads=2, mlp_dim=1024, num_experts=8,
-        experts_per_token=2, expert_mlp_dim=512, sliding_window=128)),
+    "gemma3": ("gemma3-tiny", dict(_D512, mlp_dim=2048)),
+    "gemma4-moe": ("gemma4-moe-tiny", dict(_MOE, num_experts=8, experts_per_token=2)),
+    "gemma3-small": ("gemma3-tiny", dict(_D512, mlp_dim=2048, num_layers=12,
+                                         sliding_window=256)),
+    "gemma4-moe-16x4": ("gemma4-moe-tiny", dict(_MOE, num_experts=16, experts_per_token=4)),
 }
 
 _SHAPES = flags.DEFINE_list("shapes", ["gemma3", "gemma4-moe"],
@@ -64,9 +73,9 @@ _REMAT = flags.DEFINE_string("remat_policy", "none", "Our remat policy.")
 _KERNEL = flags.DEFINE_string("attention_kernel", "einsum",
                               "Our attention kernel: einsum, or jax (cuDNN's on a GPU).")
 _TORCH = flags.DEFINE_bool("torch", True, "Also time transformers' PyTorch model.")
-_KEEP_FREED = flags.DEFINE_bool(
-    "keep_freed_host_memory", True, "gemma_jax.host_memory.keep_freed_memory() first "
-    "(process-wide: transformers runs under it too).")
+_LIBRARY_PATH = flags.DEFINE_bool(
+    "library_path", False, "Time a user's own loop (apply under jax.value_and_grad, optax "
+    "AdamW, jax.jit) instead of gemma_jax.training's train step.")
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
                            "benchmarks/results/side_by_side_<backend>.json.")
 
@@ -121,6 +130,41 @@ class Ours:
         jnp.zeros((0,), jnp.int32), max_new_tokens=_NEW.value, temperature=0.0,
         cache_length=self.prompts.shape[1] + _NEW.value - 1,
         cache_dtype=decoding.default_cache_dtype(self.config)))
+
+
+class UserLoop(Ours):
+  """Ours as a user's own program runs it: the library's `init` and `apply`, optax, and
+  `jax.jit`; no train step, no donation, no special calls."""
+
+  def __init__(self, config, tokens: np.ndarray, prompts: np.ndarray):
+    super().__init__(config, tokens, prompts)
+    model, o = self.model, config.optimizer
+    self.tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
+                          optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
+                                      weight_decay=o.weight_decay))
+    self._params = model.init(jax.random.key(0), self.tokens)
+    self.opt_state = self.tx.init(self._params)
+
+    def loss(params, tokens):
+      logits = model.apply(params, tokens)
+      return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
+                                                             tokens[:, 1:]).mean()
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+      value, grads = jax.value_and_grad(loss)(params, tokens)
+      updates, opt_state = self.tx.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, value
+
+    self._step = step
+
+  @property
+  def params(self):
+    return self._params
+
+  def train_step(self):
+    self._params, self.opt_state, value = self._step(self._params, self.opt_state, self.tokens)
+    return float(value)
 
 
 class Theirs:
@@ -178,7 +222,7 @@ def run_shape(name: str) -> dict:
   b, t = _BATCH.value, _SEQ.value
   tokens = random_tokens(m.vocab_size, (b, t), seed=0)
   prompts = random_tokens(m.vocab_size, (_DECODE_BATCH.value, _PROMPT.value), seed=1)
-  ours = Ours(config, tokens, prompts)
+  ours = (UserLoop if _LIBRARY_PATH.value else Ours)(config, tokens, prompts)
   result = {"shape": name, "model": {k: v for k, v in m.to_dict().items() if k != "vision"},
             "batch_size": b, "seq_len": t, "decode_batch_size": _DECODE_BATCH.value,
             "prompt_len": _PROMPT.value, "new_tokens": _NEW.value}
@@ -220,7 +264,7 @@ def run_shape(name: str) -> dict:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  kept = _KEEP_FREED.value and host_memory.keep_freed_memory()
+  kept = os.environ.get(host_memory.OPT_OUT) != "0" and not host_memory.accelerator_installed()
   results = []
   for name in _SHAPES.value:
     result = run_shape(name)
@@ -251,6 +295,7 @@ def main(argv):
   common.write_json(common.output_path(_OUT.value, "side_by_side"),
                     {"dtype": _DTYPE.value, "attention_kernel": _KERNEL.value,
                      "remat_policy": _REMAT.value, "keep_freed_host_memory": kept,
+                     "library_path": _LIBRARY_PATH.value,
                      "results": results})
 
 
