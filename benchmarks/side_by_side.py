@@ -47,7 +47,7 @@ from gemma_jax.inference import decoding, sampler
 from gemma_jax.training import data, flops, optimizer, steps
 
 # Small Gemma 3 and Gemma 4-MoE shapes at d_model 512 (CPU-sized), or any preset by name;
-# gemma3-small and gemma4-moe-16x4 are issue 21's target shapes.
+# gemma3-small, gemma4-moe-16x4 and gemma3-long are issue 21's target shapes.
 _D512 = dict(vocab_size=4096, num_layers=6, d_model=512, num_heads=8, num_kv_heads=4,
              head_dim=64, sliding_window=128)
 _MOE = dict(_D512, global_head_dim=128, global_num_kv_heads=2, mlp_dim=1024,
@@ -58,6 +58,8 @@ SHAPES = {
     "gemma3-small": ("gemma3-tiny", dict(_D512, mlp_dim=2048, num_layers=12,
                                          sliding_window=256)),
     "gemma4-moe-16x4": ("gemma4-moe-tiny", dict(_MOE, num_experts=16, experts_per_token=4)),
+    # Long rows: the published window (512), e.g. --batch_size=1 --seq_len=8192.
+    "gemma3-long": ("gemma3-tiny", dict(_D512, mlp_dim=2048, sliding_window=512)),
 }
 
 _SHAPES = flags.DEFINE_list("shapes", ["gemma3", "gemma4-moe"],
