@@ -9,7 +9,6 @@ import platform
 import subprocess
 import sys
 
-import pytest
 
 from gemma_jax import host_memory
 from test_training import REPO
@@ -55,30 +54,35 @@ def second_time_faults(mode: str = "import", **environment):
   return int(faults), int(pages)
 
 
-glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+GLIBC = platform.libc_ver()[0] == "glibc"
 
 
-@glibc_only
 def test_keep_freed_memory_stops_a_freed_block_faulting_in_again():
+  if not GLIBC:                                     # musl, macOS: nothing to set, nothing set
+    assert host_memory.keep_freed_memory() is False
+    return
   default, pages = second_time_faults(GEMMA_JAX_KEEP_FREED_MEMORY="0")
   kept, _ = second_time_faults("call", GEMMA_JAX_KEEP_FREED_MEMORY="0")
   assert default > pages / 2, (default, pages)      # mapped afresh, faulted in again
   assert kept < pages / 50, (kept, pages)           # reused: almost no faults
 
 
-@glibc_only
-def test_importing_gemma_jax_keeps_freed_memory_where_the_cpu_runs_jax():
-  """This machine has no accelerator plugin: the import alone sets it; with JAX_PLATFORMS
-  naming a GPU first, it leaves malloc alone."""
-  imported, pages = second_time_faults()
+def test_importing_gemma_jax_keeps_freed_memory_where_the_cpu_runs_jax(monkeypatch):
+  """With JAX_PLATFORMS=cpu the import alone sets it; with a GPU named first, or the
+  opt-out, it leaves malloc alone."""
+  for platforms, accelerator in [("cpu", False), ("cpu,cuda", False), ("cuda,cpu", True),
+                                 ("tpu", True)]:
+    monkeypatch.setenv("JAX_PLATFORMS", platforms)
+    assert host_memory.accelerator_installed() is accelerator, platforms
+  monkeypatch.setenv(host_memory.OPT_OUT, "0")
+  assert host_memory.keep_freed_memory_on_cpu() is False
+  if not GLIBC:
+    monkeypatch.setenv(host_memory.OPT_OUT, "1")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert host_memory.keep_freed_memory_on_cpu() is False   # nothing to set
+    return
+  imported, pages = second_time_faults(JAX_PLATFORMS="cpu")
   on_gpu, _ = second_time_faults(JAX_PLATFORMS="cuda,cpu")
-  assert not host_memory.accelerator_installed()
+  opted_out, _ = second_time_faults(JAX_PLATFORMS="cpu", GEMMA_JAX_KEEP_FREED_MEMORY="0")
   assert imported < pages / 50, (imported, pages)
-  assert on_gpu > pages / 2, (on_gpu, pages)
-
-
-def test_keep_freed_memory_changes_nothing_without_glibc():
-  if platform.libc_ver()[0] == "glibc":
-    assert host_memory.keep_freed_memory() is True
-  else:                                             # musl, macOS: nothing to set
-    assert host_memory.keep_freed_memory() is False
+  assert on_gpu > pages / 2 and opted_out > pages / 2, (on_gpu, opted_out, pages)
