@@ -33,7 +33,7 @@ _SECONDS = flags.DEFINE_float("seconds", 1.0, "Least time spent timing each func
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
                            "benchmarks/results/moe_dispatch_<backend>.json.")
 
-ACTIVATION = ACTIVATIONS["gelu_tanh"]
+HIDDEN = lambda gate, up: ACTIVATIONS["gelu_tanh"](gate) * up
 
 
 def problem(num_experts: int, seed: int = 0):
@@ -49,7 +49,7 @@ def problem(num_experts: int, seed: int = 0):
 
 def timings(dispatch, x, ids, weights, gate, up, down) -> dict:
   """{"forward": ms, "backward": ms (forward + gradients)}."""
-  run = lambda x, gate, up, down: dispatch(x, ids, weights, gate, up, down, ACTIVATION)
+  run = lambda x, gate, up, down: dispatch(x, ids, weights, gate, up, down, HIDDEN)
   loss = lambda *args: jnp.sum(jnp.square(run(*args)))
   ms = lambda fn: 1e3 * common.median_seconds(
       lambda: jax.block_until_ready(fn(x, gate, up, down)), min_seconds=_SECONDS.value)
@@ -60,7 +60,7 @@ def timings(dispatch, x, ids, weights, gate, up, down) -> dict:
 def routed_baseline(x, ids, weights, gate, up, down):
   """The dispatches' matmuls on M * k rows with expert 0's weights, without routing."""
   rows = jnp.repeat(x, ids.shape[1], axis=0)
-  mlp = lambda x, gate, up, down: (ACTIVATION(rows @ gate[0]) * (rows @ up[0])) @ down[0]
+  mlp = lambda x, gate, up, down: HIDDEN(rows @ gate[0], rows @ up[0]) @ down[0]
   return timings(lambda x, _, __, gate, up, down, ___: mlp(x, gate, up, down),
                  x, ids, weights, gate, up, down)
 

@@ -10,6 +10,8 @@ import math
 import numbers
 import re
 
+import jax
+
 from ml_collections import config_dict
 
 from gemma_jax import remat
@@ -20,10 +22,23 @@ BLOCK_TYPES = ("gemma3", "gemma4", "gpt3", "parallel")
 MOE_DISPATCHES = ("auto", "ragged", "loop", "gather", "dense")
 ATTENTION_KERNELS = ("einsum", "jax")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANT_MODES = ("none", "int8", "int8_weights", "int4_weights", "fp8")
 DATA_FORMATS = ("auto", "text", "chat")
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 # Rows of a batch split over every mesh axis that does not split the model's width.
 BATCH_AXES = ("data", "fsdp", "expert")
+
+
+def _validate_quant(m, need) -> None:
+  need(m.quant in QUANT_MODES, "quant", f"unknown quantization mode {m.quant!r}; known: "
+       f"{QUANT_MODES}")
+  need(m.quant != "fp8" or jax.default_backend() != "cpu", "quant",
+       "fp8 needs a GPU or TPU backend; this one is the CPU (use int8 or int8_weights)")
+  need(_integer(m.quant_group_size) and m.quant_group_size >= 0, "quant_group_size",
+       f"must be a non-negative integer, got {m.quant_group_size!r}")
+  need(not m.quant_logits or not m.logits_via_embedding, "quant_logits",
+       "the logits are the tied embedding table, which stays float: set "
+       "logits_via_embedding=False or quant_logits=False")
 
 
 def _integer(value) -> bool:
@@ -114,6 +129,13 @@ def model_config() -> config_dict.ConfigDict:
   c.param_dtype = "float32"               # parameter storage dtype
   c.scan_layers = True                    # nn.scan over pattern blocks
   c.remat_policy = "none"                 # name from gemma_jax.remat.POLICIES (text and vision)
+  # Quantization of the projections (gemma_jax.quant), QUANT_MODES: "none"; "int8" and
+  # "fp8" (GPU/TPU): weights and activations rounded, gradients straight through (training);
+  # "int8_weights" and "int4_weights": weights stored as integers plus scales (serving;
+  # gemma_jax.quant.quantize turns float parameters into them).
+  c.quant = "none"
+  c.quant_group_size = 32                 # int4_weights: one scale per this many inputs; 0: per channel
+  c.quant_logits = False                  # quantize the untied logits projection too
   c.vision = vision_config()
   return c
 
@@ -298,6 +320,7 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
   need(m.remat_policy in remat.POLICIES, "remat_policy",
        f"unknown remat policy {m.remat_policy!r}; known: {tuple(remat.POLICIES)}")
   _validate_attention_options(m, need)
+  _validate_quant(m, need)
   _validate_experts(m, need)
   _validate_embeddings_and_gpt3(config, need)
   if m.vision.enabled:

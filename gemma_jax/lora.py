@@ -98,15 +98,6 @@ class LoraDecoder(Decoder):
     return out
 
 
-def decoder(config: config_dict.ConfigDict, deterministic: bool = True) -> Decoder:
-  """The model's module: `LoraDecoder` when config.lora.rank > 0, else `Decoder`."""
-  model = config_dict.FrozenConfigDict(config.model)
-  if not config.lora.rank:
-    return Decoder(model, deterministic=deterministic)
-  return LoraDecoder(model, deterministic=deterministic,
-                     lora=config_dict.FrozenConfigDict(config.lora))
-
-
 def disabled(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
   """A copy of `config` with lora.rank 0: the config that runs merged parameters."""
   config = config_dict.ConfigDict(config.to_dict())
@@ -183,7 +174,8 @@ def init_adapters(config: config_dict.ConfigDict, rng: jax.Array) -> dict:
   random init is dead code that XLA drops: only the adapters are materialised."""
   if not config.lora.rank:
     return {}
-  module = decoder(config)
+  module = LoraDecoder(config_dict.FrozenConfigDict(config.model),
+                       lora=config_dict.FrozenConfigDict(config.lora))
 
   @jax.jit
   def init(rng):

@@ -20,7 +20,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
-from gemma_jax import lora
+from gemma_jax import modules
 from gemma_jax.decoder import Decoder
 from gemma_jax.layers import activation_stats, moe
 from gemma_jax.models import vision
@@ -78,7 +78,7 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
   model_config = config_dict.FrozenConfigDict(config.model)
 
   def module(deterministic: bool) -> Decoder:
-    return lora.decoder(config, deterministic)   # LoraDecoder when lora.rank > 0
+    return modules.decoder(config, deterministic)
 
   def inputs(tokens, positions, segment_ids):
     _check_tokens(tokens, model_config.vocab_size)

@@ -76,7 +76,7 @@ def expert_problem(m=24, d=8, f=12, e=6, k=2, seed=0, skew=False):
   return x, ids, weights, gate, up, down
 
 
-GELU = lambda x: jax.nn.gelu(x, approximate=True)
+GATED_GELU = lambda gate, up: jax.nn.gelu(gate, approximate=True) * up
 
 
 class DispatchTest(chex.TestCase):
@@ -88,7 +88,7 @@ class DispatchTest(chex.TestCase):
     x, ids, weights, gate, up, down = expert_problem(**problem)
     expected = np_experts(x, ids, weights, gate, up, down)
     for name, dispatch in expert_dispatch.DISPATCHES.items():
-      out = self.variant(lambda *a, dispatch=dispatch: dispatch(*a, GELU))(
+      out = self.variant(lambda *a, dispatch=dispatch: dispatch(*a, GATED_GELU))(
           x, ids, weights, gate, up, down)
       chex.assert_shape(out, x.shape)
       np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -100,7 +100,7 @@ class DispatchTest(chex.TestCase):
     target = np.random.RandomState(1).normal(size=x.shape).astype(np.float32)
 
     def grads(dispatch):
-      loss = lambda *a: jnp.sum(jnp.sin(dispatch(a[0], ids, *a[1:], GELU)) * target)
+      loss = lambda *a: jnp.sum(jnp.sin(dispatch(a[0], ids, *a[1:], GATED_GELU)) * target)
       return self.variant(jax.grad(loss, argnums=range(5)))(x, weights, gate, up, down)
 
     reference = grads(expert_dispatch.dense)

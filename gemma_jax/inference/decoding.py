@@ -32,7 +32,8 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
-from gemma_jax.decoder import Decoder, layer_masks, layer_types, unstack_layers
+from gemma_jax import modules
+from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
 from gemma_jax.layers.attention import Decode, Prefill, attention_mask
 from gemma_jax.models import vision
 from gemma_jax.transformer import _check_positions, _check_tokens
@@ -108,8 +109,9 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
   """Validates `config` and returns its jitted `prefill` and `decode_step`."""
   config_lib.validate(config)
   model = config_dict.FrozenConfigDict(config.model)
-  module = Decoder(config_dict.FrozenConfigDict(dict(config.model.to_dict(), scan_layers=False)),
-                   deterministic=True)
+  unrolled_config = config_dict.ConfigDict(config.to_dict())
+  unrolled_config.model.scan_layers = False
+  module = modules.decoder(unrolled_config)
 
   def unrolled(params: dict) -> dict:
     return unstack_layers(params, model)

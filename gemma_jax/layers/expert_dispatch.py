@@ -1,10 +1,11 @@
 """Routed tokens through their experts: three dispatches with one signature.
 
-    y = dispatch(x, expert_ids, weights, gate, up, down, activation)
+    y = dispatch(x, expert_ids, weights, gate, up, down, hidden)
 
 x [M, D] tokens (M = B * T), expert_ids / weights [M, k] the k experts each token is
 routed to and their combine weights, gate / up [E, D, F] and down [E, F, D] the
-experts' gated MLPs; y [M, D] = sum over the k slots of weight * expert(x). All are
+experts' gated MLPs, hidden(gate_out, up_out) their hidden activations (e.g.
+act(gate_out) * up_out); y [M, D] = sum over the k slots of weight * expert(x). All are
 dropless: every assignment is computed, however unbalanced the routing.
 
   dense    every expert on every token, the unchosen ones weighted 0: E / k times the
@@ -44,47 +45,47 @@ def _combine(per_assignment: jax.Array, weights: jax.Array) -> jax.Array:
   return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
 
-def dense(x, expert_ids, weights, gate, up, down, activation: Callable) -> jax.Array:
+def dense(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Array:
   """Every expert on every token, combined with zero weight where not routed."""
   m = x.shape[0]
   combine = jnp.zeros((m, gate.shape[0]), x.dtype).at[
       jnp.arange(m)[:, None], expert_ids].add(weights.astype(x.dtype))      # [M, E]
-  hidden = activation(jnp.einsum("md,edf->emf", x, gate)) * jnp.einsum("md,edf->emf", x, up)
-  out = jnp.einsum("emf,efd->emd", hidden, down)
+  h = hidden(jnp.einsum("md,edf->emf", x, gate), jnp.einsum("md,edf->emf", x, up))
+  out = jnp.einsum("emf,efd->emd", h, down)
   return jnp.einsum("emd,me->md", out, combine)
 
 
-def _sorted(x, expert_ids, weights, gate, up, down, activation, matmul) -> jax.Array:
+def _sorted(x, expert_ids, weights, gate, up, down, hidden, matmul) -> jax.Array:
   """Assignments sorted by expert, the grouped `matmul(rows, w, group_sizes)` per
   projection, then unsorted and combined."""
   k = expert_ids.shape[1]
   order, sizes = _sort_by_expert(expert_ids, gate.shape[0])
   rows = x[order // k]                                                      # [A, D]
   project = lambda a, w: matmul(a, w, sizes)
-  out = project(activation(project(rows, gate)) * project(rows, up), down)  # [A, D] sorted
+  out = project(hidden(project(rows, gate), project(rows, up)), down)      # [A, D] sorted
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
   return _combine(out[inverse], weights)
 
 
-def ragged(x, expert_ids, weights, gate, up, down, activation: Callable) -> jax.Array:
+def ragged(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Array:
   """Grouped matmuls by `jax.lax.ragged_dot`."""
   matmul = functools.partial(jax.lax.ragged_dot, preferred_element_type=x.dtype)
-  return _sorted(x, expert_ids, weights, gate, up, down, activation, matmul)
+  return _sorted(x, expert_ids, weights, gate, up, down, hidden, matmul)
 
 
-def loop(x, expert_ids, weights, gate, up, down, activation: Callable,
+def loop(x, expert_ids, weights, gate, up, down, hidden: Callable,
          blocks: Tuple[int, ...] = grouped_matmul.BLOCK_ROWS) -> jax.Array:
   """Grouped matmuls by `grouped_matmul.grouped_matmul`: loops over experts and blocks
   of rows, in the tiers `blocks` (largest first)."""
   matmul = lambda rows, w, sizes: grouped_matmul.grouped_matmul(rows, w, sizes, blocks)
-  return _sorted(x, expert_ids, weights, gate, up, down, activation, matmul)
+  return _sorted(x, expert_ids, weights, gate, up, down, hidden, matmul)
 
 
-def gather(x, expert_ids, weights, gate, up, down, activation: Callable) -> jax.Array:
+def gather(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Array:
   """Each token through its k experts' gathered weights ([M, k, D, F] each)."""
-  hidden = (activation(jnp.einsum("md,mkdf->mkf", x, gate[expert_ids]))
-            * jnp.einsum("md,mkdf->mkf", x, up[expert_ids]))
-  out = jnp.einsum("mkf,mkfd->mkd", hidden, down[expert_ids])
+  h = hidden(jnp.einsum("md,mkdf->mkf", x, gate[expert_ids]),
+             jnp.einsum("md,mkdf->mkf", x, up[expert_ids]))
+  out = jnp.einsum("mkf,mkfd->mkd", h, down[expert_ids])
   return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
 

@@ -40,8 +40,8 @@ def expert_shards(num_tokens: int) -> int:
 
 
 def run_sharded(dispatch: Callable[[int, int], Callable], x, expert_ids, weights, gate, up,
-                down, activation: Callable) -> jax.Array:
-  """A dispatch's `y = run(x, expert_ids, weights, gate, up, down, activation)` [M, D],
+                down, hidden: Callable) -> jax.Array:
+  """A dispatch's `y = run(x, expert_ids, weights, gate, up, down, hidden)` [M, D],
   each device of the active mesh's `expert` axis running its E / P experts.
 
   dispatch(assignments, experts) picks the dispatch for the per-device problem (see
@@ -59,7 +59,7 @@ def run_sharded(dispatch: Callable[[int, int], Callable], x, expert_ids, weights
     mine = (expert_ids >= first) & (expert_ids < first + count)
     local_ids = jnp.where(mine, expert_ids - first, count)      # `count`: no group
     run = dispatch(expert_ids.size, count)
-    y = run(x, local_ids, jnp.where(mine, weights, 0), gate, up, down, activation)
+    y = run(x, local_ids, jnp.where(mine, weights, 0), gate, up, down, hidden)
     return jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
 
   return jax.shard_map(local, in_specs=(rows, rows, rows, experts, experts, experts),

@@ -30,17 +30,12 @@ class Linear(nn.Module):
     """x: [..., *in_shape] -> [..., *out_shape]."""
     in_shape = x.shape[x.ndim - self.in_dims:]
     out_shape = tuple(self.out_shape)
-    rank = self.in_dims + len(out_shape)
-    init = nn.initializers.variance_scaling(
-        1.0, "fan_in", "normal",
-        in_axis=tuple(range(self.in_dims)), out_axis=tuple(range(self.in_dims, rank)))
-    kernel = self.param("kernel", nn.with_logical_partitioning(init, tuple(self.axes)),
-                        in_shape + out_shape, self.param_dtype)
+    kernel = self.kernel(in_shape)
     # One [rows, in] x [in, out] matmul: its gradients are plain matmuls too, where a
     # contraction over several leading dims makes XLA's CPU backend run at half speed.
     rows = x.shape[:x.ndim - self.in_dims]
-    y = jnp.matmul(x.reshape(math.prod(rows), math.prod(in_shape)).astype(self.dtype),
-                   kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(self.dtype))
+    y = self.product(x.reshape(math.prod(rows), math.prod(in_shape)).astype(self.dtype),
+                     kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(self.dtype))
     y = y.reshape(rows + out_shape)
     if self.use_bias:
       bias = self.param("bias", nn.with_logical_partitioning(
@@ -48,3 +43,16 @@ class Linear(nn.Module):
                         self.param_dtype)
       y = y + bias.astype(self.dtype)
     return y
+
+  def kernel(self, in_shape: Sequence[int]) -> jax.Array:
+    """The kernel [*in_shape, *out_shape] (a hook: quantization stores it otherwise)."""
+    rank = self.in_dims + len(self.out_shape)
+    init = nn.initializers.variance_scaling(
+        1.0, "fan_in", "normal",
+        in_axis=tuple(range(self.in_dims)), out_axis=tuple(range(self.in_dims, rank)))
+    return self.param("kernel", nn.with_logical_partitioning(init, tuple(self.axes)),
+                      tuple(in_shape) + tuple(self.out_shape), self.param_dtype)
+
+  def product(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [R, I] @ kernel [I, O] (a hook: int8 training quantizes both)."""
+    return jnp.matmul(x, kernel)

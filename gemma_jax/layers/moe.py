@@ -97,21 +97,31 @@ class Experts(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
     """x: [M, D] -> [M, D], the weighted sum of each token's k experts."""
-    e, d, f = self.num_experts, x.shape[-1], self.mlp_dim
+    gate, up, down = self.weights(x.shape[-1])
+    dispatch = lambda assignments, experts: expert_dispatch.DISPATCHES[
+        expert_dispatch.resolve(self.dispatch, assignments, experts)]
+    args = (x.astype(self.dtype), routing.expert_ids, routing.weights, gate, up, down,
+            self.hidden)
+    if expert_parallel.expert_shards(x.shape[0]) > 1:
+      return expert_parallel.run_sharded(dispatch, *args)
+    return dispatch(routing.expert_ids.size, self.num_experts)(*args)
+
+  def weights(self, d: int):
+    """gate, up [E, D, F] and down [E, F, D] in the compute dtype (a hook: quantization
+    stores them otherwise)."""
+    e, f = self.num_experts, self.mlp_dim
     weight = lambda name, shape, axes: self.param(
         name, nn.with_logical_partitioning(nn.initializers.variance_scaling(
             1.0, "fan_in", "normal", in_axis=1, out_axis=2, batch_axis=(0,)), axes),
         shape, self.param_dtype).astype(self.dtype)
-    gate = weight("gate", (e, d, f), ("expert", "embed", "mlp"))
-    up = weight("up", (e, d, f), ("expert", "embed", "mlp"))
-    down = weight("down", (e, f, d), ("expert", "mlp", "embed"))
-    dispatch = lambda assignments, experts: expert_dispatch.DISPATCHES[
-        expert_dispatch.resolve(self.dispatch, assignments, experts)]
-    args = (x.astype(self.dtype), routing.expert_ids, routing.weights, gate, up, down,
-            ACTIVATIONS[self.activation])
-    if expert_parallel.expert_shards(x.shape[0]) > 1:
-      return expert_parallel.run_sharded(dispatch, *args)
-    return dispatch(routing.expert_ids.size, e)(*args)
+    return (weight("gate", (e, d, f), ("expert", "embed", "mlp")),
+            weight("up", (e, d, f), ("expert", "embed", "mlp")),
+            weight("down", (e, f, d), ("expert", "mlp", "embed")))
+
+  def hidden(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """An expert's hidden activations from its gate and up projections [.., F] (a hook:
+    int8 training quantizes them)."""
+    return ACTIVATIONS[self.activation](gate) * up
 
 
 class MoeBlock(nn.Module):

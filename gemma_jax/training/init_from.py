@@ -13,7 +13,7 @@ from typing import Collection, Optional, Tuple
 import jax
 from ml_collections import config_dict
 
-from gemma_jax import hf, lora, sharding, transformer
+from gemma_jax import hf, lora, quant, sharding, transformer
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.config import ConfigError
 from gemma_jax.training import checkpoints, optimizer, steps
@@ -22,7 +22,8 @@ from gemma_jax.training import checkpoints, optimizer, steps
 COMPUTE_FIELDS = ("name", "dtype", "param_dtype", "scan_layers", "remat_policy",
                   "attention_kernel", "moe_dispatch", "dropout_rate",
                   "record_internal_nn_metrics", "cast_logits_to_float32",
-                  "load_balance_loss_weight", "router_z_loss_weight")
+                  "load_balance_loss_weight", "router_z_loss_weight", "quant",
+                  "quant_group_size", "quant_logits")
 
 
 def _kind(path: str) -> str:
@@ -106,7 +107,15 @@ def base_params(config: config_dict.ConfigDict,
   """The weights `config.train.init_from` names, whole (a LoRA workdir's adapters merged),
   in the config's layout and param_dtype: host arrays, or laid out on `mesh` by the
   sharding rules, each host reading only what its devices hold (from a transformers
-  directory's memory-mapped files, or a workdir's checkpoint)."""
+  directory's memory-mapped files, or a workdir's checkpoint). With a stored-weight
+  `model.quant` (QLoRA's base) they are read in float and quantized."""
+  if config.model.quant in quant.STORED_MODES:
+    float_config = quant.float_config(config)
+    quantized = quant.quantize(float_config, base_params(float_config, mesh),
+                               config.model.quant)[1]
+    if mesh is None:
+      return quantized
+    return jax.device_put(quantized, sharding.param_shardings(lora.disabled(config), mesh))
   path = config.train.init_from
   shardings = None if mesh is None else sharding.param_shardings(lora.disabled(config), mesh)
   if _kind(path) == "workdir":
@@ -125,9 +134,12 @@ def merged(config: config_dict.ConfigDict, workdir: str,
            mesh: Optional[jax.sharding.Mesh] = None) -> Tuple[config_dict.ConfigDict, dict]:
   """(config, params) of a workdir's latest checkpoint as one model: a LoRA run's
   adapters merged into the base it started from (and lora.rank 0 in the config); on the
-  default device, or laid out on `mesh`."""
+  default device, or laid out on `mesh`. Over a quantized base (QLoRA) the adapters stay
+  beside it, unmerged, as they were trained."""
   trained = restore_params(config, workdir, mesh)
   if not config.lora.rank:
     return config, trained
   base = base_params(config, mesh)
+  if config.model.quant in quant.STORED_MODES:
+    return config, lora.combine(base, trained)
   return lora.disabled(config), lora.merge(config, lora.combine(base, trained))

@@ -20,7 +20,7 @@ from ml_collections import config_dict
 import tqdm
 
 from gemma_jax import config as config_lib
-from gemma_jax import lora, sharding, transformer
+from gemma_jax import lora, quant, sharding, transformer
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.inference import sampler
 from gemma_jax.training import (checkpoints, data, flops, init_from, metrics, optimizer, steps,
@@ -173,6 +173,11 @@ def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -
   with config.unlocked():
     config.data.tokenizer = _tokenizer_name(config)
   config_lib.validate(config)
+  if config.model.quant in quant.STORED_MODES and not config.lora.rank:
+    raise config_lib.ConfigError(
+        "model.quant", f"{config.model.quant!r} holds integer weights, which do not train: "
+        "use 'int8' (quantization-aware training), or LoRA (lora.rank > 0) over the "
+        "quantized base")
   if config.lora.rank:
     lora.check_targets(config)
   # Process 0 holds the workdir for the run; the other hosts of the same run share it.
@@ -336,11 +341,8 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
              "metrics": os.path.join(workdir, metrics.METRICS_FILE),
              "plot": os.path.join(workdir, metrics.PLOT_FILE)} if jax.process_index() == 0 else {}
   if config.sample.max_new_tokens:
-    sample_config, params = config, combine(frozen, state.params)
-    if config.lora.rank:
-      sample_config, params = lora.disabled(config), lora.merge(config, params)
-    with sharding.activate(mesh):
-      summary["sample"] = _generate(sample_config, params, tokenizer)
+    with sharding.activate(mesh):   # LoRA adapters run beside their base, unmerged
+      summary["sample"] = _generate(config, combine(frozen, state.params), tokenizer)
     _say(f"sample: {summary['sample']!r}")
     if jax.process_index() == 0:
       written["sample"] = os.path.join(workdir, SAMPLE_FILE)
