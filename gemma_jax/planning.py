@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax import decoder, lora, sharding
+from gemma_jax import decoder, lora, quant, sharding
 from gemma_jax.inference import decoding
 from gemma_jax.transformer import transform
 
@@ -105,8 +105,12 @@ def plan(config: config_dict.ConfigDict, num_devices: int, batch_size: int,
   sizes = sharding.mesh_shape(config.mesh, num_devices)
   sharding.check_batch_rows(batch_size // config.optimizer.grad_accum_steps, sizes)
   shapes = _shapes(config)
+  # Quantized weights are stored in fewer bytes (counted as stored) but train only
+  # through adapters; parameters are counted as the float model's.
+  stored = config.model.quant in quant.STORED_MODES
   trainable = {path: s for path, s in shapes.items()
-               if not config.lora.rank or path[-1] in lora.ADAPTER_NAMES}
+               if path[-1] in lora.ADAPTER_NAMES or not (config.lora.rank or stored)}
+  counted = _shapes(quant.float_config(config)) if stored else shapes
   trained = _bytes_per_device(config, sizes, trainable)
   return {
       "mesh": sizes,
@@ -114,7 +118,7 @@ def plan(config: config_dict.ConfigDict, num_devices: int, batch_size: int,
       "gradients": trained,
       "optimizer_state": 2 * trained,          # AdamW: first and second moments
       "activations": activation_bytes_per_device(config, sizes, batch_size, seq_len),
-      "total_params": sum(s.size for s in shapes.values()),
+      "total_params": sum(s.size for s in counted.values()),
       "trainable_params": sum(s.size for s in trainable.values()),
   }
 
@@ -122,7 +126,8 @@ def plan(config: config_dict.ConfigDict, num_devices: int, batch_size: int,
 def cache_bytes(config: config_dict.ConfigDict, batch_size: int, cache_length: int,
                 cache_dtype: str = "bfloat16") -> dict:
   """Bytes of the decoding caches of `batch_size` rows covering `cache_length` positions
-  (keys, values and slot positions, all devices together): "cache" as built, local
+  (keys, values, int8 caches' scales and slot positions, all devices together;
+  `cache_dtype` one of `kv_cache.CACHE_DTYPES`): "cache" as built, local
   layers holding only their window, and "full_length" with every layer holding the
   whole context. Nothing is allocated."""
 
