@@ -24,6 +24,7 @@ from absl import logging
 from ml_collections import config_dict
 from ml_collections.config_flags import config_flags
 
+from gemma_jax import config as config_lib
 from gemma_jax import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
@@ -36,15 +37,29 @@ def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None) -
 
 
 class ModelFlags(NamedTuple):
-  """--workdir, --hf_dir and --tokenizer: where an app's model comes from."""
+  """--workdir, --hf_dir and --tokenizer: where an app's model comes from; --quant: how
+  it runs."""
   workdir: flags.FlagHolder
   hf_dir: flags.FlagHolder
   tokenizer: flags.FlagHolder
+  quant: flags.FlagHolder
 
   def load(self) -> workdir_lib.Loaded:
-    """(config, params, tokenizer) of the workdir or transformers directory given."""
-    return workdir_lib.load_model(workdir=self.workdir.value, hf_dir=self.hf_dir.value,
-                                  tokenizer=self.tokenizer.value)
+    """(config, params, tokenizer) of the workdir or transformers directory given,
+    quantized as --quant says (stored-weight modes quantize the float weights once)."""
+    loaded = workdir_lib.load_model(workdir=self.workdir.value, hf_dir=self.hf_dir.value,
+                                    tokenizer=self.tokenizer.value)
+    mode = self.quant.value
+    if mode in (None, loaded.config.model.quant):
+      return loaded
+    from gemma_jax import quant   # pylint: disable=import-outside-toplevel
+    if mode in quant.STORED_MODES:
+      config, params = quant.quantize(loaded.config, loaded.params, mode)
+    else:
+      config, params = quant.float_config(loaded.config), loaded.params
+      config.model.quant = mode
+      config_lib.validate(config)
+    return loaded._replace(config=config, params=params)
 
 
 def define_model_flags() -> ModelFlags:
@@ -56,7 +71,12 @@ def define_model_flags() -> ModelFlags:
       flags.DEFINE_string("hf_dir", None, "A transformers save_pretrained directory."),
       flags.DEFINE_string("tokenizer", None, "'byte', a tokenizer file or directory; "
                           "default: the run's with --workdir, the directory's own files "
-                          "with --hf_dir."))
+                          "with --hf_dir."),
+      flags.DEFINE_enum("quant", None, list(config_lib.QUANT_MODES), "Run the model "
+                        "quantized (gemma_jax.quant): int8_weights / int4_weights store its "
+                        "projections' weights as integers (int4 in groups of the config's "
+                        "model.quant_group_size); int8 / fp8 round weights and activations. "
+                        "Default: as trained."))
 
 
 def _quietly(main):
