@@ -18,14 +18,15 @@ import transformers
 from ml_collections import config_dict
 
 import gemma_jax as gj
-from gemma_jax import quant, sharding
+from gemma_jax import lora, quant, sharding
+from gemma_jax import workdir as workdir_lib
 from gemma_jax.decoder import unstack_layers
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.layers import expert_dispatch
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.moe import Experts, Routing
 from gemma_jax.quant import numerics, projections
-from gemma_jax.training import loop, metrics
+from gemma_jax.training import init_from, loop, metrics
 import test_hf as hf_tests
 from test_training import tiny_config
 
@@ -418,3 +419,33 @@ def test_int8_and_int4_weights_of_a_transformers_checkpoint(tmp_path, corpus):
   for mode, bound in (("int8_weights", 0.01), ("int4_weights", 0.05)):
     qconfig, qparams = quant.quantize(config, params, mode)
     assert abs(eval_loss(qconfig, qparams, rows) / base - 1) < bound, mode
+
+
+def test_qlora_trains_adapters_over_an_int4_base(corpus, tmp_path):
+  """LoRA over a transformers checkpoint quantized at load: the adapters train, the
+  base stays int4 (and equals quantizing the float checkpoint), and the run's sample
+  decodes through both."""
+  torch.manual_seed(0)
+  shape = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16, num_hidden_layers=3, sliding_window=8)
+  transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**shape)).save_pretrained(
+      tmp_path / "hf")
+  config = tiny_config(corpus)
+  config.model.update(quant="int4_weights", quant_group_size=16)
+  config.lora.rank = 4
+  config.train.update(init_from=str(tmp_path / "hf"), steps=8, eval_every=8)
+  config.optimizer.learning_rate = 1e-2
+  config.sample.max_new_tokens = 4
+  summary = loop.train(config, str(tmp_path / "run"))
+  assert summary["eval_loss"] < summary["start_eval_loss"] and summary["sample"] is not None
+  saved = workdir_lib.load_config(str(tmp_path / "run"))
+  run_config, params = init_from.merged(saved, str(tmp_path / "run"))
+  assert run_config.model.quant == "int4_weights" and run_config.lora.rank == 4
+  base, adapters = lora.split(params)
+  float_config, float_params = gj.hf.load(str(tmp_path / "hf"))
+  float_config = config_dict.ConfigDict(dict(config.to_dict(), model=float_config.model.to_dict()))
+  float_config.lora.rank = 0
+  float_config.model.quant_group_size = 16
+  _, expected = quant.quantize(float_config, float_params, "int4_weights")
+  chex.assert_trees_all_equal(base, expected)
+  assert any(np.abs(leaf).max() > 0 for leaf in jax.tree.leaves(adapters))

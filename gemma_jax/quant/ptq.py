@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
-from gemma_jax import modules
+from gemma_jax import lora, modules
 from gemma_jax.quant.projections import STORED
 
 
@@ -50,7 +50,7 @@ def quantize(config: config_dict.ConfigDict, params: dict,
   quantized.model.quant = mode
   quantized.model.remat_policy = "none"
   config_lib.validate(quantized)
-  module = modules.decoder(quantized)
+  module = modules.decoder(lora.disabled(quantized))   # adapters, if any, pass through
   tokens = jnp.zeros((1, 1), jnp.int32)
 
   @functools.partial(jax.jit, donate_argnums=())
