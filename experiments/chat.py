@@ -32,8 +32,9 @@ _TOP_P = flags.DEFINE_float("top_p", 0.95, "Then among the likeliest of this pro
                             "mass; 1: all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed of the first reply (the n-th reply "
                              "uses seed + n).")
-_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", None, gj.config.DTYPES, "Dtype of the cached "
-                                 "keys and values; default: bfloat16 on accelerators, else "
+_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", None, gj.quant.kv_cache.CACHE_DTYPES,
+                                 "Dtype of the cached keys and values (int8: with per-token, "
+                                 "per-head scales); default: bfloat16 on accelerators, else "
                                  "the compute dtype.")
 
 

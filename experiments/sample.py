@@ -32,17 +32,18 @@ _IMAGE = flags.DEFINE_multi_string("image", [], "An image file for a model with 
                                    "(repeatable); each fills the prompt's next "
                                    "<start_of_image>, or goes before the prompt's text.")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "Dtype of the cached keys and values, "
-                                   f"one of {', '.join(gj.config.DTYPES)}; default: bfloat16 on "
+                                   f"one of {', '.join(gj.quant.kv_cache.CACHE_DTYPES)} (int8: "
+                                   "with per-token, per-head scales); default: bfloat16 on "
                                    "accelerators, else the compute dtype.")
 
 
 def main(argv):
   del argv
   try:
-    # Checked before loading a model: jnp.dtype would raise TypeError only after it.
-    if _CACHE_DTYPE.value is not None and _CACHE_DTYPE.value not in gj.config.DTYPES:
+    # Checked before loading a model: Sampler would refuse it only after.
+    if _CACHE_DTYPE.value is not None and _CACHE_DTYPE.value not in gj.quant.kv_cache.CACHE_DTYPES:
       raise ValueError(f"--cache_dtype: {_CACHE_DTYPE.value!r} is not one of "
-                       f"{', '.join(gj.config.DTYPES)}")
+                       f"{', '.join(gj.quant.kv_cache.CACHE_DTYPES)}")
     config, params, tokenizer = _MODEL.load()
     samples = sampler.Sampler(config, params, tokenizer, cache_dtype=_CACHE_DTYPE.value).sample(
         [_PROMPT.value], max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,

@@ -44,19 +44,19 @@ def sample_app_error(*flags):
   return result.stderr.strip().splitlines()[-1]
 
 
-def test_a_cache_dtype_that_is_no_float_dtype_is_one_error_line(tmp_path):
-  """Not a dtype (jnp.dtype raised TypeError, a traceback), or not a float one."""
+def test_a_cache_dtype_that_is_no_cache_dtype_is_one_error_line(tmp_path):
+  """Not a dtype (jnp.dtype raised TypeError, a traceback), or neither float nor int8."""
   config = gj.get_config("gemma3-tiny")
   config.model.update(num_layers=2, attention_pattern=("local", "global"), sliding_window=8)
   shapes = jax.eval_shape(gj.transform(config).init, jax.random.key(0),
                           jax.ShapeDtypeStruct((1, 8), jnp.int32))
   gj.hf.save(str(tmp_path / "hf"), config,
              jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes))
-  for dtype in ("foo", "int8"):
+  for dtype in ("foo", "int4"):
     line = sample_app_error(f"--hf_dir={tmp_path / 'hf'}", "--tokenizer=byte",
                             f"--cache_dtype={dtype}")
     assert line == (f"sample.py: error: --cache_dtype: {dtype!r} is not one of "
-                    "float32, bfloat16, float16")
+                    "float32, bfloat16, float16, int8")
 
 
 def test_from_a_transformers_directory_with_a_sentencepiece_tokenizer(tmp_path):

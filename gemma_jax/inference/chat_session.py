@@ -20,6 +20,7 @@ from ml_collections import config_dict
 from gemma_jax import chat
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.inference import sampler
+from gemma_jax.quant import kv_cache
 
 
 class ChatSession:
@@ -31,7 +32,8 @@ class ChatSession:
     max_length: positions the cache holds; a turn that would need more is refused (start
       again with `reset`). Default: the learned position table, else 4096.
     system: a system prompt, folded into the first user turn as the template does.
-    cache_dtype: of the cached keys and values; default `decoding.default_cache_dtype`.
+    cache_dtype: of the cached keys and values, one of `kv_cache.CACHE_DTYPES` (int8: with
+      per-token, per-head scales); default `decoding.default_cache_dtype`.
   """
 
   def __init__(self, config: config_dict.ConfigDict, params, tokenizer, *,
@@ -40,7 +42,8 @@ class ChatSession:
     chat.generation_prompt_ids(tokenizer)   # a tokenizer without turn markers fails here
     self.config, self.tokenizer, self.system = config, tokenizer, system
     self.max_length = max_length or config.model.trainable_position_size or 4096
-    self.cache_dtype = cache_dtype or decoding_lib.default_cache_dtype(config)
+    self.cache_dtype = kv_cache.check_dtype(cache_dtype or
+                                            decoding_lib.default_cache_dtype(config))
     self.decoding = decoding_lib.make_decoding(config)
     self.params = self.decoding.unrolled(params)   # once: every token is its own call
     self.reset()

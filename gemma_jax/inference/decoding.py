@@ -9,9 +9,10 @@ Prompts are right-padded rows [B, P] with `lengths` [B] real tokens each; a row'
 tokens sit at positions 0, 1, ... and every row decodes at its own position. Each layer
 keeps its keys and values in a ring of S slots, a token at position p in slot p % S:
 S = cache_length on global layers, min(sliding_window, cache_length) on local ones,
-so 5 layers in 6 hold a window, not the context. The masks come from the positions
-each slot holds (-1: empty), so no query sees padding, an empty slot, or a key
-outside its window.
+so 5 layers in 6 hold a window, not the context; `cache_dtype="int8"` stores them as
+int8 with a scale per token and head (`gemma_jax.quant.kv_cache`). The masks come from
+the positions each slot holds (-1: empty), so no query sees padding, an empty slot, or
+a key outside its window.
 
 The layers run unrolled whatever `scan_layers` says: under a scan each decode step
 would slice every layer's weights out of their stack, a copy of the whole model per
@@ -36,6 +37,7 @@ from gemma_jax import modules
 from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
 from gemma_jax.layers.attention import Decode, Prefill, attention_mask
 from gemma_jax.models import vision
+from gemma_jax.quant import kv_cache
 from gemma_jax.transformer import _check_positions, _check_tokens
 
 
@@ -43,7 +45,8 @@ class Cache(NamedTuple):
   """The decoding state of a batch; a pytree.
 
   layers: the layers' "cache" collection, the unrolled parameter tree's layout with "k"
-    and "v" [B, S, K, H] under each layer's attention (`layers_{i}`).
+    and "v" [B, S, K, H] under each layer's attention (`layers_{i}`); int8 ones with
+    their scales "k_scale", "v_scale" [B, S, K] float32 (`gemma_jax.quant.kv_cache`).
   positions: {attention type: [B, S] int32}, the position each slot holds, -1 if none.
   next_position: [B] int32, the position of each row's next token.
   """
@@ -157,7 +160,7 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       sources, positions[kind] = _ring_sources(filled, size)
       masks[kind] = Prefill(full_masks[kind], sources)
     _, layers = run(params, None, chunk, index, segment_ids, masks, images)
-    layers = jax.tree.map(lambda a: a.astype(cache_dtype), layers)
+    layers = kv_cache.store(layers, cache_dtype)
     last = jnp.take_along_axis(tokens, filled[:, None], axis=1)[:, 0]
     return step(params, last, Cache(layers, positions, filled))
 
@@ -173,7 +176,9 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       lengths: [B] real tokens per row (1..P); default: P for every row.
       cache_length: positions the caches cover: prompt plus generated tokens. Past it,
         global layers forget their oldest keys.
-      cache_dtype: dtype of the cached keys and values; default `default_cache_dtype`.
+      cache_dtype: dtype of the cached keys and values, one of `kv_cache.CACHE_DTYPES`:
+        float32, bfloat16, float16, or int8 (a float32 scale per token and head beside
+        them, see `gemma_jax.quant.kv_cache`); default `default_cache_dtype`.
       images: [B, I, S, S, C] pixels for the prompts' image placeholder spans (a model
         with `vision.enabled`; see `Transformed.apply`).
     """
@@ -183,8 +188,8 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     if model.trainable_position_size and cache_length > model.trainable_position_size:
       raise ValueError(f"cache_length={cache_length} exceeds the model's "
                        f"trainable_position_size={model.trainable_position_size}")
+    dtype = kv_cache.check_dtype(cache_dtype or default_cache_dtype(config))
     vision.check_image_inputs(tokens, images, model.vision)
-    dtype = jnp.dtype(cache_dtype or default_cache_dtype(config)).name
     return _prefill(params, tokens, jnp.asarray(lengths, jnp.int32), images, cache_length,
                     dtype)
 

@@ -22,6 +22,7 @@ from ml_collections import config_dict
 from gemma_jax import image_inputs
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.models import vision
+from gemma_jax.quant import kv_cache
 
 
 def check_options(temperature: float, top_k: int, top_p: float,
@@ -125,15 +126,16 @@ class Sampler:
     params: the model's parameters.
     tokenizer: prompts are encoded after its BOS id; generation stops at its `stop_ids`
       (EOS and the end-of-turn marker).
-    cache_dtype: dtype of cached keys and values; default
-      `decoding.default_cache_dtype(config)`.
+    cache_dtype: dtype of cached keys and values, one of `kv_cache.CACHE_DTYPES` (int8:
+      with per-token, per-head scales); default `decoding.default_cache_dtype(config)`.
   """
 
   def __init__(self, config: config_dict.ConfigDict, params, tokenizer,
                cache_dtype: Optional[str] = None):
     self.config, self.params, self.tokenizer = config, params, tokenizer
     self.decoding = decoding_lib.make_decoding(config)
-    self.cache_dtype = jnp.dtype(cache_dtype or decoding_lib.default_cache_dtype(config)).name
+    self.cache_dtype = kv_cache.check_dtype(cache_dtype or
+                                            decoding_lib.default_cache_dtype(config))
     self._compiled = {}
 
   def __call__(self, prompt: str, **options) -> str:

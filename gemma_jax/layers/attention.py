@@ -9,8 +9,9 @@ keys, so the work is T x 2W instead of T x T.
 
 Decoding replaces a layer's mask by a cache access (`Prefill` or `Decode`): the layer
 then keeps its keys and values in the "cache" variable collection, a ring of S slots
-("k", "v": [B, S, K, H]); which position each slot holds is the decoder's bookkeeping
-(`gemma_jax.inference.decoding`), shared by all layers of one attention type.
+("k", "v": [B, S, K, H]; int8 ones with float32 scales "k_scale", "v_scale" [B, S, K],
+see `gemma_jax.quant.kv_cache`); which position each slot holds is the decoder's
+bookkeeping (`gemma_jax.inference.decoding`), shared by all layers of one attention type.
 """
 
 import functools
@@ -240,11 +241,21 @@ class Attention(nn.Module):
 
   def _write_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:
     """Writes new [B, T, K, H] into the cache ring `name` [B, S, K, H] at slots [B, T];
-    returns the ring in the compute dtype."""
+    returns the ring in the compute dtype. An int8 ring takes the rows quantized and
+    their scales into its scale ring (`gemma_jax.quant.kv_cache`)."""
     ring = self.get_variable("cache", name)
     chex.assert_shape(slots, new.shape[:2])
     rows = jnp.arange(new.shape[0])[:, None]
-    ring = ring.at[rows, slots].set(new.astype(ring.dtype))
+    if ring.dtype == jnp.int8:
+      # Imported here: the gemma_jax.quant package imports the decoder, hence this module.
+      from gemma_jax.quant import kv_cache  # pylint: disable=import-outside-toplevel
+      new, scale = kv_cache.quantize(new)
+      scales = self.get_variable("cache", kv_cache.scale_name(name)).at[rows, slots].set(scale)
+      self.put_variable("cache", kv_cache.scale_name(name), scales)
+      ring = ring.at[rows, slots].set(new)
+      out = kv_cache.dequantize(ring, scales, self.dtype)
+    else:
+      ring = ring.at[rows, slots].set(new.astype(ring.dtype))
+      out = ring.astype(self.dtype)
     self.put_variable("cache", name, ring)
-    return nn.with_logical_constraint(ring.astype(self.dtype),
-                                      ("batch", "length", "kv_heads", "head_dim"))
+    return nn.with_logical_constraint(out, ("batch", "length", "kv_heads", "head_dim"))
