@@ -175,8 +175,8 @@ def test_int8_cache_keeps_greedy_decoding_of_a_trained_model(trained):
   top-2 margin under 0.053) and logits move by < 0.15 (measured 0.083). Free-running
   greedy decoding (`sampler.generate`): each row equals float's up to its first near tie
   (a float top-2 margin under 0.1), after which either token may win and the rows part.
-  Measured: all 8 rows equal throughout (a bfloat16 cache: 92.8%, one row parting at its
-  26th token)."""
+  and >= 95% of the 1024 tokens equal float's (the issue's bar). Measured: all 8 rows
+  equal throughout (a bfloat16 cache: 92.8%, one row parting at its 26th token)."""
   config, params, held_out = trained
   dec = decoding.make_decoding(config)
   params = dec.unrolled(params)
@@ -205,6 +205,8 @@ def test_int8_cache_keeps_greedy_decoding_of_a_trained_model(trained):
   np.testing.assert_array_equal(on_greedy.argmax(-1), greedy["float32"])
   top2 = np.sort(on_greedy, axis=-1)[..., -2:]
   near_tie = top2[..., 1] - top2[..., 0] < 0.1
+  free_running = np.mean(greedy["int8"] == greedy["float32"])
+  assert free_running >= 0.95, free_running
   for row in range(8):
     same = greedy["int8"][row] == greedy["float32"][row]
     first_tie = np.argmax(near_tie[row]) if near_tie[row].any() else N_NEW

@@ -9,6 +9,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -81,6 +82,22 @@ def test_int8_projection_is_an_integer_product_rescaled():
   expected = (qx @ qw) * sx * sw      # int64 accumulation: the int32 product exactly
   np.testing.assert_allclose(y, expected, rtol=1e-6)
   assert np.abs(y - x.astype(np.float64) @ w).max() > 1e-3   # it did round
+
+
+def test_fp8_projection_rounds_to_e4m3_per_row_and_column():
+  """The fp8 arithmetic (the config refuses it on the CPU; the projection itself runs
+  here): x per row and w per column scaled to e4m3's largest value 448, rounded to
+  float8_e4m3fn by ml_dtypes in float64, multiplied and rescaled."""
+  x, w = RNG.normal(size=(6, 40)), RNG.normal(size=(40, 24))
+
+  def rounded(a, axis):
+    scale = np.abs(a).max(axis=axis, keepdims=True) / 448
+    return (a / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+
+  y, _ = run_linear(model_section(quant="fp8"), w.astype(np.float32), x.astype(np.float32))
+  expected = rounded(x, 1) @ rounded(w, 0)
+  np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+  assert np.abs(y - x @ w).max() > 1e-2        # it did round (3 mantissa bits)
 
 
 @pytest.mark.parametrize("mode,group", [("int8_weights", 0), ("int4_weights", 8),
