@@ -53,6 +53,28 @@ def _finite(value) -> bool:
           and math.isfinite(value))
 
 
+def layer_types(model: config_dict.ConfigDict) -> tuple:
+  """The attention type of every layer of the model section: the pattern repeated, the
+  last layer global when `final_layer_global`."""
+  pattern = model.attention_pattern
+  types = [pattern[i % len(pattern)] for i in range(model.num_layers)]
+  if model.final_layer_global:
+    types[-1] = "global"
+  return tuple(types)
+
+
+def kv_sharing_modes(model: config_dict.ConfigDict) -> tuple:
+  """Per layer: None, "store" (the last layer of its attention type before the shared
+  ones: its keys and values serve them) or "reuse" (a shared layer)."""
+  first = model.num_layers - model.num_kv_shared_layers
+  types = layer_types(model)
+  modes = [None] * first + ["reuse"] * model.num_kv_shared_layers
+  if model.num_kv_shared_layers:
+    for kind in set(types[first:]):
+      modes[max(i for i in range(first) if types[i] == kind)] = "store"
+  return tuple(modes)
+
+
 class ConfigError(ValueError):
   """A config field holds a value the model cannot be built with."""
 
@@ -114,6 +136,15 @@ def model_config() -> config_dict.ConfigDict:
   c.moe_dispatch = "auto"
   c.load_balance_loss_weight = 0.0        # weight of the load-balancing loss; 0 disables
   c.router_z_loss_weight = 0.0            # weight of the router z-loss (logsumexp^2); 0 disables
+  # Gemma 4's small models (block_type "gemma4"). Per-layer input embeddings (PLE): each
+  # layer adds a gated projection of its own P-wide slice of a [per_layer_vocab_size,
+  # num_layers x P] token table, mixed with a projection of the embedded input.
+  c.per_layer_input_dim = 0               # P; 0: no per-layer inputs
+  c.per_layer_vocab_size = config_dict.placeholder(int)  # rows of the PLE table; None: vocab_size
+  # The last num_kv_shared_layers layers compute no keys or values: each attends over
+  # those of the last earlier layer of its attention type (and holds no decoding cache).
+  c.num_kv_shared_layers = 0
+  c.double_wide_mlp = False               # the shared-KV layers' MLPs are 2 x mlp_dim wide
   # Embeddings and logits (every family).
   c.scale_embeddings = True               # token embeddings x sqrt(D) (Gemma); False: as stored
   c.trainable_position_size = 0           # rows of a learned position embedding (GPT); 0: none
@@ -363,6 +394,7 @@ def _validate_experts(m: config_dict.ConfigDict, need) -> None:
   for field in ("load_balance_loss_weight", "router_z_loss_weight"):
     need(_finite(m[field]) and m[field] >= 0, field,
          f"must be a finite number >= 0, got {m[field]!r}")
+  _validate_gemma4_small(m, need)
   if not m.num_experts:
     return
   need(m.block_type == "gemma4", "num_experts",
@@ -372,6 +404,34 @@ def _validate_experts(m: config_dict.ConfigDict, need) -> None:
        f"{m.experts_per_token!r}")
   need(_integer(m.expert_mlp_dim) and m.expert_mlp_dim > 0, "expert_mlp_dim",
        f"must be a positive integer when num_experts > 0, got {m.expert_mlp_dim!r}")
+
+
+def _validate_gemma4_small(m: config_dict.ConfigDict, need) -> None:
+  """Per-layer inputs, shared key/value layers, the double-wide MLP; `need(ok, field,
+  message)`."""
+  need(_integer(m.per_layer_input_dim) and m.per_layer_input_dim >= 0, "per_layer_input_dim",
+       f"must be an integer >= 0, got {m.per_layer_input_dim!r}")
+  if m.per_layer_vocab_size is not None:
+    need(_integer(m.per_layer_vocab_size) and 0 < m.per_layer_vocab_size <= m.vocab_size,
+         "per_layer_vocab_size", f"must lie in [1, vocab_size={m.vocab_size}] or be None, got "
+         f"{m.per_layer_vocab_size!r}")
+  shared = m.num_kv_shared_layers
+  need(_integer(shared) and 0 <= shared < m.num_layers, "num_kv_shared_layers",
+       f"must lie in [0, num_layers={m.num_layers}): a shared layer reuses an earlier "
+       f"layer's keys and values, got {shared!r}")
+  need(isinstance(m.double_wide_mlp, bool), "double_wide_mlp",
+       f"must be a bool, got {m.double_wide_mlp!r}")
+  for field, used in (("per_layer_input_dim", m.per_layer_input_dim),
+                      ("num_kv_shared_layers", shared), ("double_wide_mlp", m.double_wide_mlp)):
+    need(not used or m.block_type == "gemma4", field,
+         f"is Gemma 4's: needs block_type 'gemma4', got {m.block_type!r}")
+  if shared:
+    types = layer_types(m)
+    first = m.num_layers - shared
+    orphans = sorted(set(types[first:]) - set(types[:first]))
+    need(not orphans, "num_kv_shared_layers",
+         f"the shared layers {first}..{m.num_layers - 1} include {orphans} attention, which "
+         f"no earlier layer computes keys and values for")
 
 
 def _validate_embeddings_and_gpt3(config: config_dict.ConfigDict, need) -> None:

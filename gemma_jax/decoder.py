@@ -2,21 +2,25 @@
 
 The attention pattern (e.g. 5 local, 1 global) repeats every `len(pattern)` layers
 (`final_layer_global` makes the last layer global whatever the pattern says); one
-period is a `Block`. With `scan_layers` the leading whole periods whose layers all
-have the pattern's types (`scanned_block_count`: `num_layers // period`, one fewer when
-`final_layer_global` changes the last whole period) run under `nn.scan` (parameters
-stacked on a leading "layers" axis, compile time independent of depth) and the layers
-after them run unscanned. Without it every layer is unrolled. Parameter names:
+period is a `Block`. With `scan_layers` runs of whole periods (`scan_segments`) run
+under `nn.scan` (parameters stacked on a leading "layers" axis, compile time independent
+of depth): "blocks", the leading periods whose layers all have the pattern's types,
+and, in a model with shared key/value layers (Gemma 4's small ones), "shared_blocks",
+the whole periods among those. The other layers run unscanned. Without it every layer
+is unrolled. Parameter names:
 
-  scanned:   blocks/layer_{j}/...  (stacked, block b holds layer b * period + j)
-             layers_{i}/...        (the remainder, i >= n_blocks * period)
-  unrolled:  layers_{i}/...        for every i
+  scanned:   blocks/layer_{j}/...         (stacked, block b holds layer b * period + j)
+             shared_blocks/layer_{j}/...  (block b holds layer start + b * period + j)
+             layers_{i}/...               (the layers outside both)
+  unrolled:  layers_{i}/...               for every i
 
 `stack_layers` / `unstack_layers` convert between the two, and between the vision
 tower's scanned `vision/encoder/layers` and unrolled `vision/encoder/layers_{i}`.
+With `per_layer_input_dim` the decoder computes every layer's per-layer input first
+(`layers.per_layer_inputs`) and hands each layer its slice.
 """
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -25,9 +29,11 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import remat
+from gemma_jax.config import kv_sharing_modes, layer_types
 from gemma_jax.layers.attention import attention_mask, local_blocks, softcap
 from gemma_jax.layers.embed import Embed, sinusoidal
 from gemma_jax.layers.linear import Linear
+from gemma_jax.layers.per_layer_inputs import PerLayerInputs
 from gemma_jax.models.gemma3 import Gemma3Layer
 from gemma_jax.models.gemma4 import Gemma4Layer
 from gemma_jax.models.gpt3 import Gpt3Layer
@@ -38,26 +44,55 @@ LAYERS = {"gemma3": Gemma3Layer, "gemma4": Gemma4Layer, "gpt3": Gpt3Layer,
           "parallel": ParallelLayer}
 
 
-def layer_types(config: config_dict.ConfigDict) -> Tuple[str, ...]:
-  """The attention type of every layer: the pattern repeated, the last layer global
-  when `final_layer_global`."""
-  pattern = config.attention_pattern
-  types = [pattern[i % len(pattern)] for i in range(config.num_layers)]
-  if config.final_layer_global:
-    types[-1] = "global"
-  return tuple(types)
+class Segment(NamedTuple):
+  """`count` whole pattern periods from layer `start` run under one nn.scan, named `name`;
+  their layers' key/value sharing is `kv_sharing` (None or "reuse")."""
+  name: str
+  start: int
+  count: int
+  kv_sharing: Optional[str]
+
+
+def scan_segments(config: config_dict.ConfigDict) -> Tuple[Segment, ...]:
+  """The scanned runs of whole periods (none when unrolled): "blocks" from layer 0 and,
+  with shared key/value layers, "shared_blocks" from the first period start among them;
+  each as long as its periods' layers have the pattern's types and one sharing mode.
+  The layers outside them (a "store" layer's period, the rest) run unscanned."""
+  return _segments(config) if config.scan_layers else ()
+
+
+def _segments(config: config_dict.ConfigDict) -> Tuple[Segment, ...]:
+  """`scan_segments` of the config scanned."""
+  period = len(config.attention_pattern)
+  types, modes = layer_types(config), kv_sharing_modes(config)
+  first_shared = config.num_layers - config.num_kv_shared_layers
+
+  def run(name, start, mode):
+    count = 0
+    while start + (count + 1) * period <= config.num_layers:
+      layers = range(start + count * period, start + (count + 1) * period)
+      if any(types[i] != config.attention_pattern[i - start - count * period]
+             or modes[i] != mode for i in layers):
+        break
+      count += 1
+    return Segment(name, start, count, mode)
+
+  segments = [run("blocks", 0, None)]
+  if config.num_kv_shared_layers:
+    segments.append(run("shared_blocks", -(-first_shared // period) * period, "reuse"))
+  return tuple(s for s in segments if s.count)
 
 
 def scanned_block_count(config: config_dict.ConfigDict) -> int:
-  """How many whole pattern periods run under nn.scan (0 when unrolled): those whose
-  layers all have the pattern's types."""
-  if not config.scan_layers:
-    return 0
+  """How many whole pattern periods run under the "blocks" scan (0 when unrolled)."""
+  return sum(s.count for s in scan_segments(config) if s.name == "blocks")
+
+
+def scanned_layers(config: config_dict.ConfigDict) -> dict:
+  """{layer index: (segment name, block, index in the period)} of the scanned layers."""
   period = len(config.attention_pattern)
-  n_blocks = config.num_layers // period
-  if n_blocks and layer_types(config)[n_blocks * period - 1] != config.attention_pattern[-1]:
-    n_blocks -= 1
-  return n_blocks
+  return {s.start + b * period + j: (s.name, b, j) for s in scan_segments(config)
+          for b in range(s.count) for j in range(period)}
 
 
 def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
@@ -86,16 +121,36 @@ def _with_remat(module_cls, config, prevent_cse):
                   prevent_cse=prevent_cse)
 
 
+def _layer_options(kv_sharing: Optional[str]) -> dict:
+  """The layer fields beyond Gemma 3's: only Gemma 4 shares keys and values."""
+  return {"kv_sharing": kv_sharing} if kv_sharing else {}
+
+
+def _gemma4_inputs(config: config_dict.ConfigDict, per_layer_input, shared_kv) -> tuple:
+  """The arguments Gemma 4's small models add to a layer's call (none otherwise)."""
+  if config.per_layer_input_dim or config.num_kv_shared_layers:
+    return (per_layer_input, shared_kv)
+  return ()
+
+
 class Block(nn.Module):
-  """One period of the attention pattern; returns (x, None) to serve as a scan body."""
+  """One period of the attention pattern; returns (x, None) to serve as a scan body.
+
+  per_layer: [period, B, T, P] the period's per-layer inputs, or None; shared_kv:
+  {attention type: (keys, values)} for kv_sharing "reuse", or None.
+  """
   config: config_dict.ConfigDict
   deterministic: bool = True
+  kv_sharing: Optional[str] = None
 
   @nn.compact
-  def __call__(self, x, positions, masks):
-    layer_cls = LAYERS[self.config.block_type]
-    for j, kind in enumerate(self.config.attention_pattern):
-      x = layer_cls(self.config, kind, self.deterministic, name=f"layer_{j}")(x, positions, masks)
+  def __call__(self, x, positions, masks, per_layer=None, shared_kv=None):
+    c = self.config
+    for j, kind in enumerate(c.attention_pattern):
+      extra = _gemma4_inputs(c, None if per_layer is None else per_layer[j],
+                             None if shared_kv is None else shared_kv[kind])
+      x = LAYERS[c.block_type](c, kind, self.deterministic, name=f"layer_{j}",
+                               **_layer_options(self.kv_sharing))(x, positions, masks, *extra)
     return x, None
 
 
@@ -149,25 +204,15 @@ class Decoder(nn.Module):
       x = x + Embed(c.trainable_position_size, c.d_model, scale_by_sqrt_dim=False, dtype=dtype,
                     param_dtype=param_dtype, name="position_embed").encode(positions)
 
+    per_layer = None
+    if c.per_layer_input_dim:
+      per_layer = PerLayerInputs(
+          c.num_layers, c.per_layer_input_dim, c.per_layer_vocab_size or c.vocab_size,
+          c.norm_eps, c.norm_plus_one, dtype, param_dtype, name="per_layer_inputs")(tokens, x)    # [B, T, L, P]
+
     if masks is None:
       masks = layer_masks(c, segment_ids, span_ids, blocked=True)
-
-    period = len(c.attention_pattern)
-    n_blocks = scanned_block_count(c)
-    if n_blocks:
-      blocks = nn.scan(
-          _with_remat(Block, c, prevent_cse=False),
-          variable_axes={"params": 0, "intermediates": 0, "cache": 0},
-          split_rngs={"params": True, "dropout": True},
-          in_axes=(nn.broadcast, nn.broadcast),
-          length=n_blocks,
-          metadata_params={nn.PARTITION_NAME: "layers"},
-      )(c, self.deterministic, name="blocks")
-      x, _ = blocks(x, positions, masks)
-    layer_cls = _with_remat(LAYERS[c.block_type], c, prevent_cse=True)
-    types = layer_types(c)
-    for i in range(n_blocks * period, c.num_layers):
-      x = layer_cls(c, types[i], self.deterministic, name=f"layers_{i}")(x, positions, masks)
+    x = self._layers(x, positions, masks, per_layer)
 
     x = LAYERS[c.block_type].make_norm(c, "final_norm")(x)
     if c.logits_via_embedding:
@@ -179,6 +224,45 @@ class Decoder(nn.Module):
       logits = logits.astype(jnp.float32)
     logits = softcap(logits, c.final_logit_softcap)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+
+  def _layers(self, x, positions, masks, per_layer):
+    """The layers in order: scanned segments, the others one by one, "store" layers'
+    keys and values kept for the "reuse" layers after them."""
+    c = self.config
+    period = len(c.attention_pattern)
+    types, modes = layer_types(c), kv_sharing_modes(c)
+    segments = {s.start: s for s in scan_segments(c)}
+    layer_cls = _with_remat(LAYERS[c.block_type], c, prevent_cse=True)
+    shared = {}          # attention type -> (keys, values) of its "store" layer
+    i = 0
+    while i < c.num_layers:
+      if i in segments:
+        s = segments[i]
+        blocks_per_layer = None
+        if per_layer is not None:   # [B, T, L, P] -> [count, period, B, T, P]
+          blocks_per_layer = per_layer[:, :, i:i + s.count * period].reshape(
+              *per_layer.shape[:2], s.count, period, -1).transpose(2, 3, 0, 1, 4)
+        blocks = nn.scan(
+            _with_remat(Block, c, prevent_cse=False),
+            variable_axes={"params": 0, "intermediates": 0, "cache": 0},
+            split_rngs={"params": True, "dropout": True},
+            in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
+            length=s.count,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(c, self.deterministic, s.kv_sharing, name=s.name)
+        x, _ = blocks(x, positions, masks, blocks_per_layer, shared or None)
+        i += s.count * period
+        continue
+      extra = _gemma4_inputs(c, None if per_layer is None else per_layer[:, :, i],
+                             shared.get(types[i]) if modes[i] == "reuse" else None)
+      out = layer_cls(c, types[i], self.deterministic, name=f"layers_{i}",
+                      **_layer_options(modes[i]))(x, positions, masks, *extra)
+      if modes[i] == "store":
+        out, shared[types[i]] = out
+      x = out
+      i += 1
+    return x
 
 
 def _stack_arrays(arrays: Sequence[Any]) -> Any:
@@ -209,13 +293,14 @@ def unstack_layers(params: dict, config: config_dict.ConfigDict) -> dict:
     for i, layer in enumerate(_unstack(encoder.pop("layers"))):
       encoder[f"layers_{i}"] = layer
     params["vision"] = dict(params["vision"], encoder=encoder)
-  blocks = params.pop("blocks", None)
-  if blocks is None:
-    return params
   period = len(config.attention_pattern)
-  for j in range(period):
-    for b, layer in enumerate(_unstack(blocks[f"layer_{j}"])):
-      params[f"layers_{b * period + j}"] = layer
+  for segment in _segments(config):   # whatever scan_layers says: the tree decides
+    blocks = params.pop(segment.name, None)
+    if blocks is None:
+      continue
+    for j in range(period):
+      for b, layer in enumerate(_unstack(blocks[f"layer_{j}"])):
+        params[f"layers_{segment.start + b * period + j}"] = layer
   return params
 
 
@@ -230,13 +315,11 @@ def stack_layers(params: dict, config: config_dict.ConfigDict,
     encoder["layers"] = _stack([encoder.pop(f"layers_{i}")
                                 for i in range(config.vision.num_layers)], stack_leaves)
     params["vision"] = dict(params["vision"], encoder=encoder)
-  n_blocks = scanned_block_count(config)
-  if not n_blocks:
-    return params
   period = len(config.attention_pattern)
-  params["blocks"] = {
-      f"layer_{j}": _stack([params.pop(f"layers_{b * period + j}") for b in range(n_blocks)],
-                           stack_leaves)
-      for j in range(period)
-  }
+  for segment in scan_segments(config):
+    params[segment.name] = {
+        f"layer_{j}": _stack([params.pop(f"layers_{segment.start + b * period + j}")
+                              for b in range(segment.count)], stack_leaves)
+        for j in range(period)
+    }
   return params

@@ -93,11 +93,22 @@ _LAYER_NAMES = {
     ("moe", "experts", "gate"): _Tensor("experts.gate_up_proj", 1, lead=1, part=(0, 2)),
     ("moe", "experts", "up"): _Tensor("experts.gate_up_proj", 1, lead=1, part=(1, 2)),
     ("moe", "experts", "down"): _Tensor("experts.down_proj", 1, lead=1),
+    ("per_layer_gate", "kernel"): _Tensor("per_layer_input_gate.weight", 1),
+    ("per_layer_proj", "kernel"): _Tensor("per_layer_projection.weight", 1),
+    ("post_per_layer_norm", "scale"): _Tensor("post_per_layer_input_norm.weight"),
 }
 _TOP_NAMES = {
     ("embed", "embedding"): _Tensor("embed_tokens.weight"),
     ("final_norm", "scale"): _Tensor("norm.weight"),
+    # Gemma 4's per-layer inputs.
+    ("per_layer_inputs", "embed", "embedding"): _Tensor("embed_tokens_per_layer.weight"),
+    ("per_layer_inputs", "proj", "kernel"): _Tensor("per_layer_model_projection.weight", 1),
+    ("per_layer_inputs", "norm", "scale"): _Tensor("per_layer_projection_norm.weight"),
 }
+# What transformers' Gemma4TextConfig reads for the small models' keys a config.json
+# leaves out.
+_GEMMA4_DEFAULTS = {"hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262_144,
+                    "num_kv_shared_layers": 0, "use_double_wide_mlp": False}
 # Where the text model sits in each checkpoint layout, and what else may be there.
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
 # (SigLIP's attention-pooling head, "vision_use_head", is never run by Gemma 3.)
@@ -144,7 +155,7 @@ def _text_config(hf: dict) -> _Section:
   if model_type not in _FAMILIES:
     raise CheckpointError(f"config.json: unsupported {where}model_type {model_type!r}: this "
                           f"reader knows {sorted(_FAMILIES) + sorted(_MULTIMODAL)}")
-  defaults = _GEMMA3_DEFAULTS if model_type == "gemma3_text" else {}
+  defaults = _GEMMA3_DEFAULTS if model_type == "gemma3_text" else _GEMMA4_DEFAULTS
   return _Section({**defaults, **text, "model_type": model_type}, where)
 
 
@@ -179,11 +190,6 @@ def _pattern(kinds, last_exempt: bool = False) -> Tuple[str, ...]:
 
 def _gemma4_fields(text: dict, kinds) -> dict:
   """Our Gemma 4 model fields from its transformers text config."""
-  unsupported = (("hidden_size_per_layer_input", 0), ("num_kv_shared_layers", 0),
-                 ("use_double_wide_mlp", False))
-  for field, ok in unsupported:
-    if text.get(field) not in (None, ok):
-      raise CheckpointError(f"config.json: {field}={text[field]} is not supported")
   if text.get("use_bidirectional_attention") not in (None, "vision"):
     raise CheckpointError(f"config.json: use_bidirectional_attention="
                           f"{text['use_bidirectional_attention']!r} is not supported")
@@ -209,7 +215,12 @@ def _gemma4_fields(text: dict, kinds) -> dict:
       final_layer_global=True, bidirectional_span_types=("local",),
       global_head_dim=head_dim if global_layers else None,
       global_num_kv_heads=kv_heads if global_layers else None,
-      global_k_eq_v=bool(text.get("attention_k_eq_v")))
+      global_k_eq_v=bool(text.get("attention_k_eq_v")),
+      per_layer_input_dim=text["hidden_size_per_layer_input"] or 0,
+      per_layer_vocab_size=(text["vocab_size_per_layer_input"]
+                            if text["hidden_size_per_layer_input"] else None),
+      num_kv_shared_layers=text["num_kv_shared_layers"] or 0,
+      double_wide_mlp=bool(text["use_double_wide_mlp"]))
   if text.get("enable_moe_block"):
     fields.update(num_experts=text["num_experts"], experts_per_token=text["top_k_experts"],
                   expert_mlp_dim=text["moe_intermediate_size"])
@@ -300,6 +311,12 @@ def _architecture(m: config_dict.ConfigDict) -> dict:
     arch["global_k_eq_v"] = m.global_k_eq_v
   if m.num_experts:
     arch.update(experts_per_token=m.experts_per_token, expert_mlp_dim=m.expert_mlp_dim)
+  arch["per_layer_input_dim"] = m.per_layer_input_dim
+  if m.per_layer_input_dim:
+    arch["per_layer_vocab_size"] = m.per_layer_vocab_size or m.vocab_size
+  arch["num_kv_shared_layers"] = m.num_kv_shared_layers
+  if m.num_kv_shared_layers:
+    arch["double_wide_mlp"] = m.double_wide_mlp
   return arch
 
 
@@ -344,8 +361,11 @@ def config_to_hf(config: config_dict.ConfigDict) -> dict:
     hf["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
   else:
     hf.update({
-        "attention_k_eq_v": m.global_k_eq_v, "hidden_size_per_layer_input": 0,
-        "num_kv_shared_layers": 0, "enable_moe_block": bool(m.num_experts),
+        "attention_k_eq_v": m.global_k_eq_v,
+        "hidden_size_per_layer_input": m.per_layer_input_dim,
+        "vocab_size_per_layer_input": m.per_layer_vocab_size or m.vocab_size,
+        "num_kv_shared_layers": m.num_kv_shared_layers,
+        "use_double_wide_mlp": m.double_wide_mlp, "enable_moe_block": bool(m.num_experts),
         "num_experts": m.num_experts or None,
         "top_k_experts": m.experts_per_token if m.num_experts else None,
         "moe_intermediate_size": m.expert_mlp_dim or None,
@@ -484,6 +504,14 @@ def _family(gpt2: bool, multimodal: bool = False) -> _Family:
   return _Family(*(getattr(hf_gpt2, field) for field in _Family._fields))
 
 
+def _unused_by_shared_layers(m: config_dict.ConfigDict) -> set:
+  """Key/value weights a published Gemma 4 checkpoint holds for its shared key/value
+  layers, which compute none (transformers skips them too)."""
+  return {f"layers.{i}.self_attn.{name}.weight" for i, mode in enumerate(
+      config_lib.kv_sharing_modes(m)) if mode == "reuse"
+          for name in ("k_proj", "v_proj", "k_norm", "v_norm")}
+
+
 def _unrolled_shapes(config: config_dict.ConfigDict) -> dict:
   unrolled = config_dict.ConfigDict(config.to_dict())
   unrolled.model.scan_layers = False
@@ -548,7 +576,7 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
       mismatched.append(f"{name}: {value}")
       continue
     params[key] = value if shardings else np.asarray(value, dtype=np.dtype(param_dtype))
-  unexpected += sorted(set(tensors) - used)
+  unexpected += sorted(set(tensors) - used - _unused_by_shared_layers(config.model))
   problems = [f"missing tensors: {missing}" if missing else "",
               f"unexpected tensors: {unexpected}" if unexpected else "",
               f"shape mismatches: {mismatched}" if mismatched else ""]

@@ -50,7 +50,24 @@ PRESETS = {
     "gemma4-26b-a4b": dict(_GEMMA4, num_layers=30, d_model=2816, num_heads=16, num_kv_heads=8,
                            global_num_kv_heads=2, mlp_dim=2112, num_experts=128,
                            experts_per_token=8, expert_mlp_dim=704),
+    # The small models ("E" for effective size: most of their weights are the per-layer
+    # input table, read one row per token): 4 local layers to a global one, window 512,
+    # 256-wide per-layer inputs, the last layers reusing earlier keys and values.
+    "gemma4-e2b": dict(_GEMMA4, num_layers=35, d_model=1536, num_heads=8, num_kv_heads=1,
+                       mlp_dim=6144, attention_pattern=("local",) * 4 + ("global",),
+                       sliding_window=512, global_k_eq_v=False, per_layer_input_dim=256,
+                       num_kv_shared_layers=20, double_wide_mlp=True),
+    "gemma4-e4b": dict(_GEMMA4, num_layers=42, d_model=2560, num_heads=8, num_kv_heads=2,
+                       mlp_dim=10240, sliding_window=512, global_k_eq_v=False,
+                       per_layer_input_dim=256, num_kv_shared_layers=18),
     "gemma4-tiny": _GEMMA4_TINY,
+    # A CPU-sized small model: per-layer inputs, 5 shared key/value layers (a scanned
+    # period), double-wide MLPs there.
+    "gemma4-e2b-tiny": dict(_GEMMA4_TINY, num_layers=10,
+                            attention_pattern=("local",) * 4 + ("global",), num_kv_heads=1,
+                            global_num_kv_heads=None, global_k_eq_v=False, mlp_dim=256,
+                            per_layer_input_dim=16, num_kv_shared_layers=5,
+                            double_wide_mlp=True),
     "gpt3-52k": dict(_GPT3, num_layers=1, d_model=16, num_heads=2, num_kv_heads=2, head_dim=8,
                      mlp_dim=64, vocab_size=1024, trainable_position_size=2048),
     "gpt3-6b": dict(_GPT3, num_layers=48, d_model=3072, num_heads=12, num_kv_heads=12,

@@ -21,6 +21,7 @@ from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
 from gemma_jax import modules
+from gemma_jax import decoder
 from gemma_jax.decoder import Decoder
 from gemma_jax.layers import activation_stats, moe
 from gemma_jax.models import vision
@@ -113,7 +114,8 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     aux = moe.summarize(intermediates)
     if model_config.record_internal_nn_metrics:
       aux["activation_stats"] = activation_stats.summarize(
-          intermediates, len(model_config.attention_pattern))
+          intermediates, len(model_config.attention_pattern),
+          {s.name: s.start for s in decoder.scan_segments(model_config)})
     return logits, aux
 
   def init(rng: jax.Array, tokens: jax.Array, *, positions=None, segment_ids=None) -> dict:

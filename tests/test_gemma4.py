@@ -48,7 +48,7 @@ def random_model(seed, **shape):
   """A tiny transformers Gemma 4 with every weight random: norm, router and per-expert
   scales and the per-layer scalars around 1, a decisive router, larger embeddings."""
   torch.manual_seed(seed)
-  model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**BASE, **shape))
+  model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**dict(BASE, **shape)))
   with torch.no_grad():
     for name, p in model.named_parameters():
       if "norm" in name or name.endswith("scale"):

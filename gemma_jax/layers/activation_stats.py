@@ -23,11 +23,13 @@ def record(module: nn.Module, x: jax.Array) -> None:
     module.sow("intermediates", name, value.astype(jnp.float32))
 
 
-def summarize(intermediates: dict, period: int) -> Dict[str, jax.Array]:
+def summarize(intermediates: dict, period: int,
+              segment_starts: Dict[str, int]) -> Dict[str, jax.Array]:
   """Sown statistics -> {f"{name}/layer_{i}": scalar}.
 
-  A scanned block's layer `layer_{j}` holds one value per block b (layer b * period + j);
-  an unscanned layer `layers_{i}` holds one value.
+  A scanned segment's (`segment_starts`: its name -> first layer) layer `layer_{j}` holds
+  one value per block b (layer start + b * period + j); an unscanned layer `layers_{i}`
+  holds one value.
   """
   stats = {}
   for path, (value,) in flax.traverse_util.flatten_dict(intermediates).items():
@@ -35,8 +37,10 @@ def summarize(intermediates: dict, period: int) -> Dict[str, jax.Array]:
     if name not in NAMES:
       continue
     index = int(re.fullmatch(r"layers?_(\d+)", scope).group(1))
-    if path[0] == "blocks":
-      stats.update({f"{name}/layer_{b * period + index}": v for b, v in enumerate(value)})
+    if path[0] in segment_starts:
+      start = segment_starts[path[0]]
+      stats.update({f"{name}/layer_{start + b * period + index}": v
+                    for b, v in enumerate(value)})
     else:
       stats[f"{name}/layer_{index}"] = value
   return stats

@@ -14,8 +14,7 @@ see `gemma_jax.quant.kv_cache`); which position each slot holds is the decoder's
 bookkeeping (`gemma_jax.inference.decoding`), shared by all layers of one attention type.
 """
 
-import functools
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import chex
 import flax.linen as nn
@@ -162,6 +161,9 @@ class Attention(nn.Module):
     fused_qkv: one [D, 3, N, H] projection "qkv" for queries, keys and values (K = N).
     use_bias: biases on the query, key, value and output projections.
     kernel: "einsum" or "jax", see `dot_product_attention`.
+    kv_sharing: None; "store": also return the keys and values attended over (with a
+      cache, the ring after the write), for later layers to reuse; "reuse": no key or
+      value projections and no cache: attend over `shared_kv`, another layer's.
   """
   num_heads: int
   num_kv_heads: int
@@ -180,14 +182,18 @@ class Attention(nn.Module):
   use_bias: bool = False
   norm_eps: float = 1e-6
   kernel: str = "einsum"
+  kv_sharing: Optional[str] = None
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: Optional[jax.Array],
-               mask: Union[None, jax.Array, LocalBlocks, Prefill, Decode]) -> jax.Array:
+               mask: Union[None, jax.Array, LocalBlocks, Prefill, Decode],
+               shared_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
     """x: [B, T, D], positions: [B, T] (may be None without RoPE), mask: [B, T, S=T],
-    `LocalBlocks`, a cache access, or None (every token sees every token) -> [B, T, D]."""
+    `LocalBlocks`, a cache access, or None (every token sees every token) -> [B, T, D];
+    with kv_sharing "store", (that, (keys, values) [B, S, K, H]). shared_kv: the keys and
+    values of a "store" layer under the same mask (kv_sharing "reuse")."""
     b, t, d = x.shape
     n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
     if self.use_rope or positions is not None:
@@ -197,6 +203,11 @@ class Attention(nn.Module):
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
+    if self.kv_sharing == "reuse":
+      if shared_kv is None:
+        raise ValueError("an attention with kv_sharing='reuse' needs shared_kv")
+      q = checkpoint_name(dense((n, h), ("embed", "heads", "head_dim"), "q")(x), "query_proj")
+      return self._attend_and_project(self._queries(q, positions), *shared_kv, mask, d)
     if self.fused_qkv:
       chex.assert_equal(kv, n)
       qkv = dense((3, n, h), ("embed", "qkv", "heads", "head_dim"), "qkv")(x)  # [B, T, 3, N, H]
@@ -207,36 +218,51 @@ class Attention(nn.Module):
       k = checkpoint_name(dense((kv, h), ("embed", "kv_heads", "head_dim"), "k")(x), "key_proj")
       v = k if self.k_eq_v else checkpoint_name(
           dense((kv, h), ("embed", "kv_heads", "head_dim"), "v")(x), "value_proj")
-    norm = lambda name, with_scale=True: RMSNorm(
-        self.norm_eps, with_scale=with_scale, plus_one=self.norm_plus_one,
-        axis_name="head_dim", param_dtype=self.param_dtype, name=name)
     if self.use_qk_norm:
-      q, k = norm("q_norm")(q), norm("k_norm")(k)
+      k = self._norm("k_norm")(k)
     if self.use_value_norm:
-      v = norm("v_norm", with_scale=False)(v)
-    rope = lambda y: apply_rope(y, positions, base=self.rope_base, scale=self.rope_scale,
-                                fraction=self.rope_fraction)
+      v = self._norm("v_norm", with_scale=False)(v)
     if self.use_rope:
-      q, k = rope(q), rope(k)
-    q = q * jnp.asarray(self.query_scale, self.dtype)
-    q = nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+      k = self._rope(k, positions)
+    q = self._queries(q, positions)
     k = nn.with_logical_constraint(k, ("batch", "length", "kv_heads", "head_dim"))
     v = nn.with_logical_constraint(v, ("batch", "length", "kv_heads", "head_dim"))
-    attend = functools.partial(dot_product_attention, logit_softcap=self.logit_softcap,
-                               kernel=self.kernel)
     if isinstance(mask, Prefill):
-      out = attend(q, k, v, mask.mask)
       for name, new in (("k", k), ("v", v)):
         self.put_variable("cache", name,
                           jnp.take_along_axis(new, mask.sources[:, :, None, None], axis=1))
     elif isinstance(mask, Decode):
       k, v = (self._write_cache(name, new, mask.slots) for name, new in (("k", k), ("v", v)))
-      out = attend(q, k, v, mask.mask)
-    elif isinstance(mask, LocalBlocks):
+    out = self._attend_and_project(q, k, v, mask, d)
+    return (out, (k, v)) if self.kv_sharing == "store" else out
+
+  def _norm(self, name: str, with_scale: bool = True) -> RMSNorm:
+    return RMSNorm(self.norm_eps, with_scale=with_scale, plus_one=self.norm_plus_one,
+                   axis_name="head_dim", param_dtype=self.param_dtype, name=name)
+
+  def _rope(self, y: jax.Array, positions: jax.Array) -> jax.Array:
+    return apply_rope(y, positions, base=self.rope_base, scale=self.rope_scale,
+                      fraction=self.rope_fraction)
+
+  def _queries(self, q: jax.Array, positions: Optional[jax.Array]) -> jax.Array:
+    """Projected queries [B, T, N, H] normed, rotated and scaled."""
+    if self.use_qk_norm:
+      q = self._norm("q_norm")(q)
+    if self.use_rope:
+      q = self._rope(q, positions)
+    q = q * jnp.asarray(self.query_scale, self.dtype)
+    return nn.with_logical_constraint(q, ("batch", "length", "heads", "head_dim"))
+
+  def _attend_and_project(self, q, k, v, mask, d: int) -> jax.Array:
+    """Queries [B, T, N, H] over keys and values [B, S, K, H] under `mask` (a cache
+    access's own mask), then the output projection -> [B, T, D]."""
+    if isinstance(mask, LocalBlocks):
       out = local_block_attention(q, k, v, mask, self.logit_softcap, self.kernel)
     else:
-      out = attend(q, k, v, mask)
-    out = dense((d,), ("heads", "head_dim", "embed"), "out", in_dims=2)(out)
+      out = dot_product_attention(q, k, v, mask.mask if isinstance(mask, (Prefill, Decode))
+                                  else mask, self.logit_softcap, self.kernel)
+    out = Linear((d,), ("heads", "head_dim", "embed"), in_dims=2, use_bias=self.use_bias,
+                 dtype=self.dtype, param_dtype=self.param_dtype, name="out")(out)
     return checkpoint_name(out, "out_proj")
 
   def _write_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:

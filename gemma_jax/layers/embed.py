@@ -28,6 +28,7 @@ class Embed(nn.Module):
   vocab_size: int
   d_model: int
   scale_by_sqrt_dim: bool = True
+  scale_dim: int = 0        # encode scales by sqrt(scale_dim) instead (a packed table)
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
@@ -43,7 +44,7 @@ class Embed(nn.Module):
     x = jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
     if not self.scale_by_sqrt_dim:
       return x
-    return x * jnp.asarray(math.sqrt(self.d_model), self.dtype)
+    return x * jnp.asarray(math.sqrt(self.scale_dim or self.d_model), self.dtype)
 
   def attend(self, x: jax.Array) -> jax.Array:
     """x: [B, T, D] -> logits [B, T, V] in the compute dtype (one [B*T, D] x [D, V]

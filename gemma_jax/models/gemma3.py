@@ -41,8 +41,8 @@ class Gemma3Layer(nn.Module):
     """The family's norm over D, named `name`."""
     return self.make_norm(self.config, name)
 
-  def attention(self) -> Attention:
-    """The attention of this layer's type."""
+  def attention(self, **options) -> Attention:
+    """The attention of this layer's type (`options`: more `Attention` fields)."""
     c = self.config
     is_global = self.attention_type == "global"
     kind = self.attention_type
@@ -57,30 +57,42 @@ class Gemma3Layer(nn.Module):
         use_value_norm=c.use_value_norm, k_eq_v=is_global and c.global_k_eq_v,
         norm_plus_one=c.norm_plus_one, logit_softcap=c.attn_logit_softcap, norm_eps=c.norm_eps,
         kernel=c.attention_kernel,
-        dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), name="attn")
+        dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), name="attn", **options)
+
+  def mlp_dim(self) -> int:
+    """F of this layer's MLP."""
+    return self.config.mlp_dim
 
   def feed_forward(self, x: jax.Array) -> jax.Array:
     """The residual stream x [B, T, D] -> the MLP's output [B, T, D], before its post-norm."""
     c = self.config
-    return GatedMlp(c.mlp_dim, c.activation, dtype=jnp.dtype(c.dtype),
+    return GatedMlp(self.mlp_dim(), c.activation, dtype=jnp.dtype(c.dtype),
                     param_dtype=jnp.dtype(c.param_dtype), name="mlp")(self.norm("pre_mlp_norm")(x))
 
-  @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array, masks: dict) -> jax.Array:
-    """x: [B, T, D], positions: [B, T], masks: {"local"|"global": [B, T, T]} -> [B, T, D]."""
-    c = self.config
-    x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+  def attention_residual(self, x: jax.Array, attended: jax.Array) -> jax.Array:
+    """x [B, T, D] plus the attention's output (post-normed)."""
+    if self.config.use_post_attn_norm:
+      attended = self.norm("post_attn_norm")(attended)
+    return x + attended
 
-    y = self.attention()(self.norm("pre_attn_norm")(x), positions, masks[self.attention_type])
-    if c.use_post_attn_norm:
-      y = self.norm("post_attn_norm")(y)
-    x = x + y
-
+  def feed_forward_residual(self, x: jax.Array) -> jax.Array:
+    """x [B, T, D] plus the feed-forward's output (post-normed)."""
     y = self.feed_forward(x)
-    if c.use_post_ffw_norm:
+    if self.config.use_post_ffw_norm:
       y = self.norm("post_mlp_norm")(y)
-    x = x + y
+    return x + y
+
+  def finish(self, x: jax.Array) -> jax.Array:
+    """The layer's output [B, T, D]: dropout, recorded statistics."""
+    c = self.config
     x = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(x, deterministic=self.deterministic)
     if c.record_internal_nn_metrics:
       activation_stats.record(self, x)
     return nn.with_logical_constraint(x, ACTIVATION_AXES)
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array, masks: dict) -> jax.Array:
+    """x: [B, T, D], positions: [B, T], masks: {"local"|"global": [B, T, T]} -> [B, T, D]."""
+    x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+    y = self.attention()(self.norm("pre_attn_norm")(x), positions, masks[self.attention_type])
+    return self.finish(self.feed_forward_residual(self.attention_residual(x, y)))
