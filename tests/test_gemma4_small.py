@@ -23,6 +23,7 @@ from gemma_jax.training import metrics
 from test_gemma4 import VOCAB, random_model, token_batch
 from test_sharding import MESHES
 from test_training import REPO
+import torch_reference
 from torch_reference import torch_logits
 
 # Layer types with the default pattern (5 local, 1 global, the last layer global).
@@ -78,14 +79,13 @@ def test_loaded_logits_match_transformers(checkpoint, scan_layers):
 
 
 def test_save_round_trip_through_transformers(checkpoint, tmp_path):
-  _, model, path, expected = checkpoint
-  config, params = gj.hf.load(path)
-  gj.hf.save(str(tmp_path), config, params)
-  reloaded = transformers.Gemma4ForCausalLM.from_pretrained(str(tmp_path)).eval()
-  np.testing.assert_array_equal(torch_logits(reloaded, token_batch()), expected)
+  _, model, path, _ = checkpoint
+  torch_reference.assert_save_round_trip(model, path, str(tmp_path),
+                                         transformers.Gemma4ForCausalLM, VOCAB)
+  reloaded = transformers.AutoConfig.from_pretrained(str(tmp_path))
   for field in ("hidden_size_per_layer_input", "vocab_size_per_layer_input",
                 "num_kv_shared_layers", "use_double_wide_mlp", "layer_types"):
-    assert getattr(reloaded.config, field) == getattr(model.config, field), field
+    assert getattr(reloaded, field) == getattr(model.config, field), field
 
 
 def test_key_value_weights_of_shared_layers_in_a_checkpoint_are_skipped(tmp_path):
