@@ -1,4 +1,5 @@
-"""Named model shapes. `get_config(name)` gives a locked full config with that model."""
+"""Named model shapes. `get_config(name)` gives a locked full config with that model
+(and the family's training defaults: Gemma 4 keeps its scales out of weight decay)."""
 
 from ml_collections import config_dict
 
@@ -107,4 +108,8 @@ def get_config(name: str) -> config_dict.ConfigDict:
   config = config_lib.default_config()
   config.model.update(PRESETS[name])
   config.model.name = name
+  if config.model.block_type == "gemma4":
+    # Gemma 4's multiplicative scales (norms x scale, router, per-expert, per-layer
+    # scalars) start at 1: weight decay would pull them towards 0.
+    config.optimizer.no_decay = ("norm", "scale", "scalar")
   return config

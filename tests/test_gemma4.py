@@ -3,6 +3,7 @@ and MoE), the save round trip, preset parameter counts; layer types and masks.""
 
 import functools
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ import transformers
 
 import gemma_jax as gj
 from gemma_jax import decoder
+from gemma_jax.training import optimizer
 import torch_reference
 from torch_reference import torch_logits
 
@@ -66,13 +68,18 @@ def random_model(seed, **shape):
 token_batch = functools.partial(torch_reference.token_batch, VOCAB, t=19)
 
 
+def saved_checkpoint(name, shape, tmp_path_factory):
+  """(name, a random transformers model of `shape`, its save_pretrained directory, its
+  logits on token_batch())."""
+  model = random_model(len(name), **shape)
+  path = str(tmp_path_factory.mktemp(name))
+  model.save_pretrained(path)
+  return name, model, path, torch_logits(model, token_batch())
+
+
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request, tmp_path_factory):
-  """(name, transformers model, its save_pretrained directory, its logits on token_batch())."""
-  model = random_model(len(request.param), **SHAPES[request.param])
-  path = str(tmp_path_factory.mktemp(request.param))
-  model.save_pretrained(path)
-  return request.param, model, path, torch_logits(model, token_batch())
+  return saved_checkpoint(request.param, SHAPES[request.param], tmp_path_factory)
 
 
 def test_loaded_logits_match_transformers(checkpoint):
@@ -194,3 +201,19 @@ def test_image_spans_are_bidirectional_in_local_layers_only():
   np.testing.assert_array_equal(masks["global"][0], causal)
   np.testing.assert_array_equal(masks["local"][0], ((causal & (q - k < 3)) | in_span)
                                 & same_segment)
+
+
+def test_presets_keep_multiplicative_scales_out_of_weight_decay():
+  """Gemma 4's norms, router scales and per-layer scalars start at 1 (decay would pull
+  them to 0); kernels, expert weights and the tables are decayed."""
+  config = gj.get_config("gemma4-moe-tiny")
+  shapes = jax.eval_shape(gj.transform(config).init, jax.random.key(0),
+                          jax.ShapeDtypeStruct((1, 8), np.int32))
+  decayed = {optimizer.param_path(path): flag for path, flag in
+             jax.tree_util.tree_flatten_with_path(optimizer.decay_mask(
+                 config.optimizer.no_decay)(shapes))[0]}
+  kept = sorted(path for path, flag in decayed.items() if not flag)
+  assert kept and all(re.search(r"(norm/scale|layer_scalar|router/scale|per_expert_scale)$",
+                                path) for path in kept), kept
+  assert decayed["embed/embedding"] and decayed["blocks/layer_0/moe/experts/gate"]
+  assert gj.get_config("gemma3-tiny").optimizer.no_decay == ("norm",)

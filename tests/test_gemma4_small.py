@@ -20,7 +20,7 @@ from gemma_jax import config as config_lib
 from gemma_jax import decoder, planning, safetensors_io, sharding
 from gemma_jax.inference import decoding, sampler
 from gemma_jax.training import metrics
-from test_gemma4 import VOCAB, random_model, token_batch
+from test_gemma4 import VOCAB, random_model, saved_checkpoint, token_batch
 from test_sharding import MESHES
 from test_training import REPO
 import torch_reference
@@ -55,11 +55,7 @@ SHAPES = {
 
 @pytest.fixture(scope="module", params=sorted(SHAPES))
 def checkpoint(request, tmp_path_factory):
-  """(name, transformers model, its save_pretrained directory, its logits on token_batch())."""
-  model = random_model(len(request.param), **SHAPES[request.param])
-  path = str(tmp_path_factory.mktemp(request.param))
-  model.save_pretrained(path)
-  return request.param, model, path, torch_logits(model, token_batch())
+  return saved_checkpoint(request.param, SHAPES[request.param], tmp_path_factory)
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
@@ -245,12 +241,12 @@ def test_sharded_loss_and_gradients_equal_one_device():
 
 
 def test_train_py_trains_a_ple_model(tmp_path):
-  """configs/gemma4_e2b_tiny.py through experiments/train.py on the embedded corpus (the
-  standard library's source), shortened to 8 steps with a sample at the end."""
+  """configs/gemma3_tiny.py:gemma4-e2b-tiny through experiments/train.py on the embedded
+  corpus (the standard library's source), shortened to 8 steps with a sample at the end."""
   workdir = tmp_path / "run"
   process = subprocess.run(
       [sys.executable, os.path.join(REPO, "experiments", "train.py"),
-       f"--config={os.path.join(REPO, 'configs', 'gemma4_e2b_tiny.py')}", f"--workdir={workdir}",
+       f"--config={os.path.join(REPO, 'configs', 'gemma3_tiny.py')}:gemma4-e2b-tiny", f"--workdir={workdir}",
        "--config.data.seq_len=32", "--config.train.steps=8", "--config.train.batch_size=8",
        "--config.train.log_every=1", "--config.train.eval_every=0",
        "--config.train.progress_bar=False", "--config.optimizer.warmup_steps=2",

@@ -309,11 +309,12 @@ def test_train_step_adds_and_logs_the_aux_losses_and_expert_load(moe_model):
 
 
 def test_moe_config_trains_and_logs_aux_losses_and_expert_load(corpus, tmp_path):
-  """configs/gemma4_moe_tiny.py through experiments/train.py, shortened to 3 steps."""
+  """configs/gemma3_tiny.py:gemma4-moe-tiny through experiments/train.py, shortened to 3
+  steps."""
   workdir = tmp_path / "run"
   process = subprocess.run(
       [sys.executable, os.path.join(REPO, "experiments", "train.py"),
-       f"--config={os.path.join(REPO, 'configs', 'gemma4_moe_tiny.py')}", f"--workdir={workdir}",
+       f"--config={os.path.join(REPO, 'configs', 'gemma3_tiny.py')}:gemma4-moe-tiny", f"--workdir={workdir}",
        f"--config.data.path={corpus}", "--config.data.seq_len=32", "--config.train.steps=3",
        "--config.train.batch_size=8", "--config.train.log_every=1", "--config.train.eval_every=0",
        "--config.train.progress_bar=False", "--config.model.num_layers=2",
