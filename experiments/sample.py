@@ -29,8 +29,9 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Then among the likeliest of this prob
                             "mass; 1: all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _IMAGE = flags.DEFINE_multi_string("image", [], "An image file for a model with vision "
-                                   "(repeatable); each fills the prompt's next "
-                                   "<start_of_image>, or goes before the prompt's text.")
+                                   "(repeatable); each fills the prompt's next image marker "
+                                   "(Gemma 3: <start_of_image>, Gemma 4: <|image|>), or goes "
+                                   "before the prompt's text.")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "Dtype of the cached keys and values, "
                                    f"one of {', '.join(gj.quant.kv_cache.CACHE_DTYPES)} (int8: "
                                    "with per-token, per-head scales); default: bfloat16 on "

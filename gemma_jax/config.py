@@ -172,25 +172,41 @@ def model_config() -> config_dict.ConfigDict:
 
 
 def vision_config() -> config_dict.ConfigDict:
-  """Gemma 3's image input: a SigLIP-So400m tower at 896 px, pooled to 256 soft tokens
-  that replace the placeholder ids of the prompt (see gemma_jax.models.vision)."""
+  """Image input: a vision tower turns each image into soft tokens that replace the
+  prompt's placeholder ids. The tower is the block type's: Gemma 3's SigLIP (896 px
+  squares pooled to 256 tokens, gemma_jax.models.vision) or Gemma 4's (patches of any
+  aspect ratio, up to `max_soft_tokens` tokens, gemma_jax.models.gemma4_vision). The
+  defaults are Gemma 3's; fields marked (gemma3) or (gemma4) are read by that tower only."""
   c = config_dict.ConfigDict()
   c.enabled = False                       # the model has the tower and takes images
-  c.image_size = 896                      # S, images are resized to S x S pixels
-  c.patch_size = 14                       # p, side of a patch: conv kernel and stride (S % p == 0)
-  c.num_channels = 3                      # C, colour channels of the pixels
+  c.patch_size = 14                       # p, side of a square patch in pixels
   c.width = 1152                          # W, the encoder's residual width
   c.num_layers = 27                       # encoder layers (scanned and rematted as the text's)
-  c.num_heads = 16                        # A, attention heads (head dim W / A)
+  c.num_heads = 16                        # A, attention heads
   c.mlp_dim = 4304                        # F, hidden width of the encoder MLP
   c.activation = "gelu_tanh"              # encoder MLP activation, from layers.mlp.ACTIVATIONS
-  c.layer_norm_eps = 1e-6                 # eps of the encoder LayerNorms and the soft-token RMSNorm
+  c.layer_norm_eps = 1e-6                 # eps of the tower's norms and the soft-token RMSNorm
+  c.boi_token_id = 255_999                # opens an image span (Gemma 3: the prompt's marker)
+  c.eoi_token_id = 256_000                # closes an image span
+  c.image_token_id = 262_144              # placeholder a soft token replaces (Gemma 4: the marker)
+  # (gemma3) squares of S pixels, C channels, head dim W / A, M tokens per image.
+  c.image_size = 896                      # S, images are resized to S x S pixels (S % p == 0)
+  c.num_channels = 3                      # C, colour channels of the pixels
   c.tokens_per_image = 256                # M, soft tokens per image: a square whose side divides S / p
-  c.boi_token_id = 255_999                # <start_of_image>: the prompt's image marker, opens a span
-  c.eoi_token_id = 256_000                # <end_of_image>: closes an image span
-  c.image_token_id = 262_144              # <image_soft_token>: placeholder a soft token replaces
   c.double_newline_token_id = 108         # "\n\n", written around each image span
+  # (gemma4) the image keeps its aspect ratio: at most max_soft_tokens * k^2 patches.
+  # (Their defaults fit the shared fields' Gemma 3 values; Gemma 4's presets set all.)
+  c.num_kv_heads = 16                     # key/value heads (divides num_heads)
+  c.head_dim = 72                         # per head (a multiple of 4: the 2-D RoPE halves)
+  c.pooling_kernel = 3                    # k, each soft token averages k x k patches
+  c.max_soft_tokens = 280                 # soft tokens per image at most (the resize budget)
+  c.position_embedding_size = 10_240      # patch columns / rows the position table holds
+  c.rope_base = 100.0                     # base of the 2-D rotary frequencies
+  c.standardize = False                   # soft tokens (x - std_bias) * std_scale before the projection
+  c.use_clipped_linears = False           # every projection clamps its input and output
+  c.pad_token_id = 0                      # the id placeholders read the per-layer input table with
   return c
+
 
 def data_config() -> config_dict.ConfigDict:
   """Where the text comes from and how it becomes packed rows of tokens."""
@@ -457,12 +473,37 @@ def _validate_vision(m: config_dict.ConfigDict, need) -> None:
   """The vision section of an image model; `need(ok, field, message)`."""
   v = m.vision
   check = lambda ok, field, message: need(ok, f"vision.{field}", message)
-  check(m.block_type == "gemma3", "enabled",
-        f"the vision tower is Gemma 3's: needs block_type 'gemma3', got {m.block_type!r}")
-  for field in ("image_size", "patch_size", "num_channels", "width", "num_layers", "num_heads",
-                "mlp_dim", "tokens_per_image"):
+  check(m.block_type in ("gemma3", "gemma4"), "enabled",
+        f"vision towers are Gemma 3's and Gemma 4's: needs block_type 'gemma3' or 'gemma4', "
+        f"got {m.block_type!r}")
+  gemma4 = m.block_type == "gemma4"
+  sizes = (("num_kv_heads", "head_dim", "pooling_kernel", "max_soft_tokens",
+            "position_embedding_size") if gemma4 else
+           ("image_size", "num_channels", "tokens_per_image"))
+  for field in ("patch_size", "width", "num_layers", "num_heads", "mlp_dim") + sizes:
     check(_integer(v[field]) and v[field] > 0, field,
           f"must be a positive integer, got {v[field]!r}")
+  check(v.activation in ACTIVATIONS, "activation",
+        f"unknown activation {v.activation!r}; known: {tuple(ACTIVATIONS)}")
+  for field in ("layer_norm_eps",) + (("rope_base",) if gemma4 else ()):
+    check(_finite(v[field]) and v[field] > 0, field,
+          f"must be a finite positive number, got {v[field]!r}")
+  if gemma4:
+    _validate_gemma4_vision(m, check)
+  else:
+    _validate_gemma3_vision(m, check)
+  ids = ("boi_token_id", "eoi_token_id", "image_token_id") + (
+      ("pad_token_id",) if gemma4 else ("double_newline_token_id",))
+  for i, field in enumerate(ids):
+    check(_integer(v[field]) and 0 <= v[field] < m.vocab_size, field,
+          f"{v[field]!r} is outside the vocabulary [0, vocab_size={m.vocab_size})")
+    for other in ids[:i]:
+      check(v[field] != v[other], field, f"equals {other} ({v[other]}); the ids must differ")
+
+
+def _validate_gemma3_vision(m: config_dict.ConfigDict, check) -> None:
+  """The SigLIP tower's fields; `check(ok, field, message)`."""
+  v = m.vision
   check(v.image_size % v.patch_size == 0, "patch_size",
         f"image_size={v.image_size} is not divisible by patch_size={v.patch_size}")
   check(v.width % v.num_heads == 0, "num_heads",
@@ -476,16 +517,17 @@ def _validate_vision(m: config_dict.ConfigDict, need) -> None:
   check(v.tokens_per_image <= m.sliding_window, "tokens_per_image",
         f"an image span must fit in the local window: {v.tokens_per_image} > "
         f"sliding_window={m.sliding_window}")
-  check(v.activation in ACTIVATIONS, "activation",
-        f"unknown activation {v.activation!r}; known: {tuple(ACTIVATIONS)}")
-  check(_finite(v.layer_norm_eps) and v.layer_norm_eps > 0, "layer_norm_eps",
-        f"must be a finite positive number, got {v.layer_norm_eps!r}")
-  ids = ("boi_token_id", "eoi_token_id", "image_token_id", "double_newline_token_id")
-  for i, field in enumerate(ids):
-    check(_integer(v[field]) and 0 <= v[field] < m.vocab_size, field,
-          f"{v[field]!r} is outside the vocabulary [0, vocab_size={m.vocab_size})")
-    for other in ids[:i]:
-      check(v[field] != v[other], field, f"equals {other} ({v[other]}); the ids must differ")
+
+
+def _validate_gemma4_vision(m: config_dict.ConfigDict, check) -> None:
+  """Gemma 4's tower; `check(ok, field, message)`."""
+  v = m.vision
+  check(v.num_heads % v.num_kv_heads == 0, "num_kv_heads",
+        f"num_heads={v.num_heads} is not divisible by num_kv_heads={v.num_kv_heads}")
+  check(v.head_dim % 4 == 0, "head_dim",
+        f"the 2-D RoPE rotates two halves by pairs: must be a multiple of 4, got {v.head_dim}")
+  for field in ("standardize", "use_clipped_linears"):
+    check(isinstance(v[field], bool), field, f"must be a bool, got {v[field]!r}")
 
 
 def _validate_training(config: config_dict.ConfigDict) -> None:

@@ -38,7 +38,7 @@ from gemma_jax.models.gemma3 import Gemma3Layer
 from gemma_jax.models.gemma4 import Gemma4Layer
 from gemma_jax.models.gpt3 import Gpt3Layer
 from gemma_jax.models.parallel import ParallelLayer
-from gemma_jax.models import vision
+from gemma_jax.models import towers
 
 LAYERS = {"gemma3": Gemma3Layer, "gemma4": Gemma4Layer, "gpt3": Gpt3Layer,
           "parallel": ParallelLayer}
@@ -160,8 +160,9 @@ class Decoder(nn.Module):
   Embedding: the token table (x sqrt(D) with `scale_embeddings`), plus the sinusoidal
   embedding of the positions and/or a learned [trainable_position_size, D] table
   `position_embed`. Logits: the tied token table, or a [D, V] kernel `logits`.
-  With `vision.enabled`, the `vision` tower turns images into soft tokens that replace
-  the embeddings of the image placeholder ids.
+  With `vision.enabled`, the block type's `vision` tower (`models.towers`) turns images
+  into soft tokens that replace the embeddings of the image placeholder ids; Gemma 4's
+  per-layer inputs read the placeholders as `vision.pad_token_id`.
 
   Attributes:
     config: the model section of the config.
@@ -177,8 +178,10 @@ class Decoder(nn.Module):
                images: Optional[jax.Array] = None) -> jax.Array:
     """tokens, positions, segment_ids, span_ids: [B, T] -> [B, T, V].
 
-    images: [B, I, S, S, C] normalised pixels (`vision.enabled`); row b's soft tokens
-      replace its image placeholders in order, images past its last span are padding.
+    images: (`vision.enabled`) Gemma 3: [B, I, S, S, C] normalised pixels; Gemma 4:
+      `gemma4_images.ImagePatches` [B, I, P, ...] (see `models.towers`). Row b's soft
+      tokens replace its image placeholders in order; images past its last span are
+      padding.
 
     masks: {attention type: [B, T, S] mask, `attention.LocalBlocks`, or an
       `attention.Prefill` / `Decode` cache access} replacing the masks built from
@@ -191,13 +194,7 @@ class Decoder(nn.Module):
                   param_dtype=param_dtype, name="embed")
     x = embed.encode(tokens)
     if c.vision.enabled:
-      tower = vision.VisionTower(c.vision, c.d_model, dtype, param_dtype, c.scan_layers,
-                                 c.remat_policy, c.attention_kernel, name="vision")
-      if images is not None:
-        x = vision.merge_soft_tokens(x, tokens, tower(images), c.vision.image_token_id)
-      elif self.is_initializing():   # creates the tower's parameters; the output is unused
-        v = c.vision
-        tower(jnp.zeros((1, v.image_size, v.image_size, v.num_channels), dtype))
+      x = towers.embed_images(c, x, tokens, images, self.is_initializing())
     if c.sinusoidal_position_embedding:
       x = x + sinusoidal(positions, c.d_model).astype(dtype)
     if c.trainable_position_size:
@@ -208,7 +205,8 @@ class Decoder(nn.Module):
     if c.per_layer_input_dim:
       per_layer = PerLayerInputs(
           c.num_layers, c.per_layer_input_dim, c.per_layer_vocab_size or c.vocab_size,
-          c.norm_eps, c.norm_plus_one, dtype, param_dtype, name="per_layer_inputs")(tokens, x)    # [B, T, L, P]
+          c.norm_eps, c.norm_plus_one, dtype, param_dtype,
+          name="per_layer_inputs")(towers.text_ids(c, tokens), x)    # [B, T, L, P]
 
     if masks is None:
       masks = layer_masks(c, segment_ids, span_ids, blocked=True)

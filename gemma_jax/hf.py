@@ -3,10 +3,12 @@
     config, params = gemma_jax.hf.load("path/to/save_pretrained_dir")
     gemma_jax.hf.save("out_dir", config, params)   # transformers' from_pretrained reads it
 
-Reads `Gemma3ForCausalLM` and `Gemma4ForCausalLM` checkpoints (Gemma 4 dense and
-mixture-of-experts), `Gemma3ForConditionalGeneration` ones whole (the vision tower and
-projector through `gemma_jax.hf_vision`; a model with `vision.enabled` saves as one) and
-the text part of `Gemma4ForConditionalGeneration` (transformers 4 and 5 name layouts). Linear weights are stored [..., out, in] there and
+Reads `Gemma3ForCausalLM` and `Gemma4ForCausalLM` checkpoints (Gemma 4 dense,
+mixture-of-experts and the small models), and `Gemma3ForConditionalGeneration` and
+`Gemma4ForConditionalGeneration` ones whole: the vision tower through
+`gemma_jax.hf_vision` or `gemma_jax.hf_gemma4_vision` (a model with `vision.enabled`
+saves as one; Gemma 4's audio tower is refused unless `skip_audio`), transformers 4 and 5
+name layouts. Linear weights are stored [..., out, in] there and
 [..., in..., out...] here; everything else is copied. Parameters come back as host
 numpy arrays in the config's `param_dtype`, or straight onto a mesh (`load(...,
 shardings=...)`, each device's part read alone). GPT-2 checkpoints (`GPT2LMHeadModel`,
@@ -30,6 +32,8 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
+from gemma_jax import hf_gemma4_vision
+from gemma_jax import hf_tower
 from gemma_jax import hf_vision
 from gemma_jax import safetensors_io
 from gemma_jax import sharded_read
@@ -111,11 +115,17 @@ _GEMMA4_DEFAULTS = {"hidden_size_per_layer_input": 256, "vocab_size_per_layer_in
                     "num_kv_shared_layers": 0, "use_double_wide_mlp": False}
 # Where the text model sits in each checkpoint layout, and what else may be there.
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
-# (SigLIP's attention-pooling head, "vision_use_head", is never run by Gemma 3.)
-_OTHER_PREFIXES = ("model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
+# (SigLIP's attention-pooling head, "vision_use_head", is never run by Gemma 3; Gemma 4's
+# audio tower is read only with skip_audio.)
+_OTHER_PREFIXES = ("model.audio_tower.", "model.embed_audio.",
                    "model.vision_tower.head.", "model.vision_tower.vision_model.head.",
                    "vision_tower.head.", "vision_tower.vision_model.head.")
 _LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+# Block type -> (the vision tower's names and config keys, the multimodal class, where its
+# saved files keep the text model).
+_VISION = {"gemma3": (hf_vision, "Gemma3ForConditionalGeneration", "language_model.model."),
+           "gemma4": (hf_gemma4_vision, "Gemma4ForConditionalGeneration",
+                      "model.language_model.")}
 
 
 class CheckpointError(ValueError):
@@ -212,7 +222,11 @@ def _gemma4_fields(text: dict, kinds) -> dict:
                 or text["num_key_value_heads"])
   fields = dict(
       norm_plus_one=False, use_value_norm=True, query_pre_attn_scalar=1.0,
-      final_layer_global=True, bidirectional_span_types=("local",),
+      final_layer_global=True,
+      # Image spans see each other both ways in local layers, where the config asks
+      # ("vision"); the small models attend causally throughout.
+      bidirectional_span_types=(("local",) if text.get("use_bidirectional_attention")
+                                == "vision" else ()),
       global_head_dim=head_dim if global_layers else None,
       global_num_kv_heads=kv_heads if global_layers else None,
       global_k_eq_v=bool(text.get("attention_k_eq_v")),
@@ -271,9 +285,12 @@ def config_from_hf(hf: dict) -> config_dict.ConfigDict:
     config.model.query_pre_attn_scalar = float(text["query_pre_attn_scalar"])
   else:
     config.model.update(_gemma4_fields(text, kinds))
-  if hf.get("model_type") == "gemma3" and hf.get("vision_config"):
+  if hf.get("audio_config"):
+    raise CheckpointError("config.json: audio_config: Gemma 4's audio tower is not read yet; "
+                          "hf.load(..., skip_audio=True) reads the text and vision parts")
+  if hf.get("model_type") in _MULTIMODAL and hf.get("vision_config"):
     try:
-      config.model.vision.update(hf_vision.config_from_hf(hf, _ACTIVATIONS))
+      config.model.vision.update(_VISION[block_type][0].config_from_hf(hf, _ACTIVATIONS))
     except ValueError as error:
       raise CheckpointError(f"config.json: {error}") from None
   return config
@@ -291,7 +308,7 @@ def _architecture(m: config_dict.ConfigDict) -> dict:
       "scale_embeddings", "sinusoidal_position_embedding", "logits_via_embedding",
       "trainable_position_size")}
   arch["attention_pattern"] = types
-  arch["vision"] = ({k: v for k, v in m.vision.items() if k != "double_newline_token_id"}
+  arch["vision"] = ({k: m.vision[k] for k in _VISION[m.block_type][0].FIELDS}
                     if m.vision.enabled else None)
   if m.vision.enabled:   # which layers let an image's tokens see each other
     arch["bidirectional_span_types"] = tuple(
@@ -361,6 +378,8 @@ def config_to_hf(config: config_dict.ConfigDict) -> dict:
     hf["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
   else:
     hf.update({
+        "use_bidirectional_attention": "vision" if "local" in m.bidirectional_span_types
+                                       else None,
         "attention_k_eq_v": m.global_k_eq_v,
         "hidden_size_per_layer_input": m.per_layer_input_dim,
         "vocab_size_per_layer_input": m.per_layer_vocab_size or m.vocab_size,
@@ -374,11 +393,16 @@ def config_to_hf(config: config_dict.ConfigDict) -> dict:
                      "num_key_value_heads": m.global_num_kv_heads or m.num_kv_heads}
             for i, kind in enumerate(types) if kind == "global"}})
   if m.vision.enabled:   # the text config goes inside the multimodal one
-    text = dict(hf, model_type="gemma3_text")
+    text = dict(hf, model_type=_MULTIMODAL[m.block_type])
     del text["architectures"]
-    hf = dict(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3",
+    if m.block_type == "gemma4":
+      text["pad_token_id"] = m.vision.pad_token_id
+    mapping, architecture, _ = _VISION[m.block_type]
+    hf = dict(architectures=[architecture], model_type=m.block_type,
               text_config=text, tie_word_embeddings=True, dtype=m.param_dtype,
-              **hf_vision.config_to_hf(m.vision, {v: k for k, v in _ACTIVATIONS.items()}))
+              **mapping.config_to_hf(m.vision, {v: k for k, v in _ACTIVATIONS.items()}))
+    if m.block_type == "gemma4":
+      hf["audio_config"] = None
   ours, theirs = _architecture(m), _architecture(config_from_hf(hf).model)
   for field, value in ours.items():
     if theirs.get(field) != value:
@@ -418,16 +442,17 @@ def _read_tensors(path: str) -> Dict[str, np.ndarray]:
   return tensors
 
 
-def _text_tensors(tensors: Dict[str, np.ndarray]) -> Tuple[Dict[str, np.ndarray], list]:
-  """Names below the text model, and Gemma 3's vision tensors by their canonical names
-  (`hf_vision.canonical_name`) -> tensors; plus the names that belong nowhere."""
+def _text_tensors(tensors: Dict[str, np.ndarray],
+                  layout: hf_tower.TowerLayout) -> Tuple[Dict[str, np.ndarray], list]:
+  """Names below the text model, and the vision tower's tensors by their canonical names
+  (`layout.canonical_name`) -> tensors; plus the names that belong nowhere."""
   text, unexpected = {}, []
   for name, value in tensors.items():
     if name in _LM_HEADS or name.startswith(_OTHER_PREFIXES):
       continue
     prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-    if hf_vision.canonical_name(name):
-      text[hf_vision.canonical_name(name)] = value
+    if layout.canonical_name(name):
+      text[layout.canonical_name(name)] = value
     elif prefix is None:
       unexpected.append(name)
     else:
@@ -449,11 +474,12 @@ def _from_hf(value: np.ndarray, tensor: _Tensor, shape: Tuple[int, ...]):
 
 
 def _to_hf(value: np.ndarray, path: Tuple[str, ...],
+           layout: Optional[hf_tower.TowerLayout] = None,
            text_prefix: str = "model.") -> Tuple[str, int, np.ndarray]:
   """Our parameter -> (its stored name, which part of it, the stored part); the text
-  model's names start with `text_prefix`."""
+  model's names start with `text_prefix`, the vision tower's are `layout`'s."""
   if path[0] == "vision":
-    name, value = hf_vision.to_hf(value, path[1:])
+    name, value = layout.to_hf(value, path[1:])
     return name, 0, value
   tensor = _hf_tensor(path)
   if tensor.in_dims is not None:
@@ -476,30 +502,39 @@ class _Family(NamedTuple):
   to_hf: Callable[[np.ndarray, Tuple[str, ...]], Tuple[str, int, np.ndarray]]
 
 
-def _gemma_tensor_name(path: Tuple[str, ...]) -> str:
+def _gemma_tensor_name(path: Tuple[str, ...], layout: hf_tower.TowerLayout) -> str:
   if path[0] == "vision":
-    return hf_vision.tensor_name(path[1:])
+    return layout.tensor_name(path[1:])
   return _hf_tensor(path).name
 
 
-def _gemma_from_hf(value: np.ndarray, path: Tuple[str, ...], shape: Tuple[int, ...]):
+def _gemma_from_hf(value: np.ndarray, path: Tuple[str, ...], shape: Tuple[int, ...],
+                   layout: hf_tower.TowerLayout):
   if path[0] == "vision":
-    return hf_vision.from_hf(value, path[1:], shape)
+    return layout.from_hf(value, path[1:], shape)
   return _from_hf(value, _hf_tensor(path), shape)
 
 
-_GEMMA = _Family(
-    config_from_hf=config_from_hf, config_to_hf=config_to_hf, model_tensors=_text_tensors,
-    tensor_name=_gemma_tensor_name, from_hf=_gemma_from_hf, to_hf=_to_hf)
-# Gemma3ForConditionalGeneration's published layout: the text model below "language_model.".
-_GEMMA_MULTIMODAL = _GEMMA._replace(
-    to_hf=functools.partial(_to_hf, text_prefix="language_model.model."))
+def _gemma_family(block_type: str, multimodal: bool) -> _Family:
+  """Gemma 3's or Gemma 4's mapping, its vision tower's names included; a multimodal
+  model saves as the family's ConditionalGeneration class, its text model below that
+  class's prefix."""
+  mapping, _, text_prefix = _VISION[block_type]
+  layout = mapping.LAYOUT
+  return _Family(
+      config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+      model_tensors=functools.partial(_text_tensors, layout=layout),
+      tensor_name=functools.partial(_gemma_tensor_name, layout=layout),
+      from_hf=functools.partial(_gemma_from_hf, layout=layout),
+      to_hf=functools.partial(_to_hf, layout=layout,
+                              text_prefix=text_prefix if multimodal else "model."))
 
 
-def _family(gpt2: bool, multimodal: bool = False) -> _Family:
-  """GPT-2's mapping or Gemma's (text only, or with the vision tower)."""
-  if not gpt2:
-    return _GEMMA_MULTIMODAL if multimodal else _GEMMA
+def _family(block_type: str, multimodal: bool = False) -> _Family:
+  """GPT-2's mapping (block type "gpt3") or Gemma's (text only, or with the vision
+  tower)."""
+  if block_type != "gpt3":
+    return _gemma_family(block_type, multimodal)
   from gemma_jax import hf_gpt2  # pylint: disable=import-outside-toplevel  (it imports this module)
   return _Family(*(getattr(hf_gpt2, field) for field in _Family._fields))
 
@@ -534,15 +569,32 @@ def read_json_object(file: str) -> dict:
   return value
 
 
-def load_config(path: str) -> config_dict.ConfigDict:
-  """The config of the transformers directory `path` (from its config.json), without
-  reading any weights."""
+def load_config(path: str, *, skip_audio: bool = False) -> config_dict.ConfigDict:
+  """The config of the transformers directory `path` (from its config.json, and for a
+  Gemma 4 image model the resize budget of its preprocessor_config.json, if there),
+  without reading any weights. A config with Gemma 4's audio tower is refused unless
+  `skip_audio`."""
   hf_config = read_json_object(os.path.join(path, "config.json"))
-  return _family(hf_config.get("model_type") == "gpt2").config_from_hf(hf_config)
+  if hf_config.get("model_type") == "gpt2":
+    from gemma_jax import hf_gpt2  # pylint: disable=import-outside-toplevel  (it imports this module)
+    return hf_gpt2.config_from_hf(hf_config)
+  if skip_audio:
+    hf_config = dict(hf_config, audio_config=None)
+  config = config_from_hf(hf_config)
+  processor = os.path.join(path, "preprocessor_config.json")
+  if config.model.vision.enabled and config.model.block_type == "gemma4" and os.path.exists(
+      processor):
+    try:
+      config.model.vision.update(hf_gemma4_vision.processor_from_hf(
+          read_json_object(processor), config.model.vision.to_dict()))
+    except ValueError as error:
+      raise CheckpointError(f"{path}/{error}") from None
+  return config
 
 
 def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
-         shardings: Optional[dict] = None) -> Tuple[config_dict.ConfigDict, dict]:
+         shardings: Optional[dict] = None,
+         skip_audio: bool = False) -> Tuple[config_dict.ConfigDict, dict]:
   """Reads a transformers save_pretrained directory -> (config, params).
 
   Args:
@@ -553,16 +605,16 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
       `gemma_jax.sharding.param_shardings`): the parameters come back as jax.Arrays laid
       out by them, each device's part read from the memory-mapped files alone
       (`gemma_jax.sharded_read`). Default: whole host numpy arrays.
+    skip_audio: read a Gemma 4 checkpoint with an audio tower without it (refused
+      otherwise: the audio tower is not built yet).
   """
-  config = load_config(path)
+  config = load_config(path, skip_audio=skip_audio)
   config.model.param_dtype = param_dtype
   config.model.scan_layers = scan_layers
   config_lib.validate(config)
 
-  family = _family(config.model.block_type == "gpt3")
+  family = _family(config.model.block_type)
   tensors, unexpected = family.model_tensors(_read_tensors(path))
-  if not config.model.vision.enabled:   # e.g. Gemma 4's tower: the text part is read
-    tensors = {k: v for k, v in tensors.items() if not hf_vision.canonical_name(k)}
   expected = flax.traverse_util.flatten_dict(_unrolled_shapes(config))
   params, missing, mismatched, used = {}, [], [], set()
   for key, shape in expected.items():
@@ -587,6 +639,14 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
     return config, stack_layers(params, config.model)
   views = stack_layers(params, config.model, stack_leaves=sharded_read.LayerStack)
   return config, sharded_read.place(views, shardings, np.dtype(param_dtype))
+
+
+def _write_json(file: str, value: dict) -> None:
+  """Writes `value` as indented JSON to `file`, synced to disk."""
+  with open(file, "w") as f:
+    json.dump(value, f, indent=2)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _fsync(path: str) -> None:
@@ -658,7 +718,8 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def save(path: str, config: config_dict.ConfigDict, params: dict, *,
          write_extra: Optional[Callable[[str], None]] = None) -> None:
-  """Writes config.json and model.safetensors that transformers' from_pretrained reads.
+  """Writes config.json and model.safetensors that transformers' from_pretrained reads
+  (and, for a Gemma 4 image model, the preprocessor_config.json of its resize budget).
 
   `write_extra(directory)`, if given, writes more files (tokenizer, generation config)
   into the new checkpoint before it is moved into place; they replace files of the same
@@ -666,8 +727,8 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
 
   The directory is written and synced to disk next to `path`, then moved into place
   (`_move_into_place`), so an existing checkpoint at `path` is only replaced by a whole
-  one. Files already in `path` (tokenizer, README, ...) are kept, except config.json
-  and weight files (*.safetensors, their index, pytorch_model*.bin). A symlink to a
+  one. Files already in `path` (tokenizer, README, ...) are kept, except the files it
+  writes and weight files (*.safetensors, their index, pytorch_model*.bin). A symlink to a
   directory is followed.
   """
   if os.path.lexists(path) and not os.path.isdir(path):
@@ -675,7 +736,7 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
     raise CheckpointError(f"config.model.block_type: transformers has no layout for "
                           f"{config.model.block_type!r}")
-  family = _family(config.model.block_type == "gpt3", config.model.vision.enabled)
+  family = _family(config.model.block_type, config.model.vision.enabled)
   hf_config = family.config_to_hf(config)
   flat = flax.traverse_util.flatten_dict(unstack_layers(params, config.model))
   parts = {}
@@ -690,11 +751,11 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   staging = os.path.join(parent, f".hf-save-{secrets.token_hex(8)}")
   os.mkdir(staging)   # the umask's mode, as a plain new directory (mkdtemp's is 0700)
   try:
-    with open(os.path.join(staging, "config.json"), "w") as f:
-      json.dump(hf_config, f, indent=2)
-      f.flush()
-      os.fsync(f.fileno())
+    _write_json(os.path.join(staging, "config.json"), hf_config)
     safetensors_io.write(os.path.join(staging, "model.safetensors"), tensors)  # synced
+    if config.model.vision.enabled and config.model.block_type == "gemma4":
+      _write_json(os.path.join(staging, "preprocessor_config.json"),
+                  hf_gemma4_vision.processor_to_hf(config.model.vision))
     if write_extra is not None:
       write_extra(staging)
     written = set(os.listdir(staging))

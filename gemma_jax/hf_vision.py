@@ -10,20 +10,11 @@ checkpoints, where SigLIP keeps its own "vision_model." ("vision_tower.vision_mo
 convolution [W, C, p, p]; the projection is a bare [W, D] matrix, copied as is.
 """
 
-import math
-import re
-from typing import Mapping, NamedTuple, Optional, Tuple, Union
+from typing import Mapping
 
-import numpy as np
 from ml_collections import config_dict
 
-
-class _Tensor(NamedTuple):
-  """Where one of our vision parameters lives in transformers' layout."""
-  name: str                 # canonical name (below "encoder.layers.{i}." for a layer)
-  kind: str                 # "linear" ([out, in] there), "conv" ([W, C, p, p]), "copy"
-  in_dims: int = 1          # a linear kernel's contracted dims here
-
+from gemma_jax.hf_tower import Tensor as _Tensor, TowerLayout
 
 _TOWER, _PROJECTOR = "vision_tower.", "multi_modal_projector."
 
@@ -75,6 +66,10 @@ _ID_KEYS = {"boi_token_id": ("boi_token_index", 255_999),
             "image_token_id": ("image_token_index", 262_144)}
 
 
+# Our vision fields a transformers config holds (the others are Gemma 4's).
+FIELDS = ("enabled", "activation", "tokens_per_image") + tuple(_CONFIG_KEYS) + tuple(_ID_KEYS)
+
+
 def config_from_hf(hf: dict, activations: Mapping[str, str]) -> dict:
   """A transformers Gemma3Config dict -> our vision fields (`activations`: transformers'
   activation name -> ours). Raises ValueError naming a setting we do not build."""
@@ -98,56 +93,12 @@ def config_to_hf(config: config_dict.ConfigDict, activations: Mapping[str, str])
               vision_config=vision_config, mm_tokens_per_image=config.tokens_per_image)
 
 
-def canonical_name(name: str) -> Optional[str]:
-  """A stored tensor name of the tower or projector in any layout -> its canonical name;
-  None for other tensors."""
-  for stored, canonical in _PREFIXES:
-    if name.startswith(stored):
-      return canonical + name[len(stored):]
-  return None
-
-
-def _tensor(path: Tuple[str, ...]) -> _Tensor:
-  """Our unrolled path below the tower -> its transformers tensor."""
-  match = re.fullmatch(r"layers_(\d+)", path[1]) if path[0] == "encoder" else None
-  if match:
-    tensor = _LAYER_NAMES[path[2:]]
-    return tensor._replace(name=f"{_TOWER}encoder.layers.{match.group(1)}.{tensor.name}")
-  return _TOP_NAMES[path]
-
-
-def tensor_name(path: Tuple[str, ...]) -> str:
-  """Our unrolled path below the tower -> the canonical transformers name."""
-  return _tensor(path).name
-
-
-def from_hf(value: np.ndarray, path: Tuple[str, ...],
-            shape: Tuple[int, ...]) -> Union[np.ndarray, str]:
-  """A stored tensor -> our parameter of `shape` at `path`, or why it does not fit."""
-  tensor = _tensor(path)
-  if tensor.kind == "linear":
-    value = value.T
-    fits = value.shape == (math.prod(shape[:tensor.in_dims]), math.prod(shape[tensor.in_dims:]))
-  elif tensor.kind == "conv":
-    value = value.transpose(2, 3, 1, 0)   # [W, C, p, p] -> [p, p, C, W]
-    fits = value.shape == shape
-  else:   # biases of multi-head projections are stored flat
-    fits = value.shape == shape or value.shape == (math.prod(shape),)
-  if not fits:
-    return f"{value.shape} does not fit {shape}"
-  return value.reshape(shape)
-
-
-def to_hf(value: np.ndarray, path: Tuple[str, ...]) -> Tuple[str, np.ndarray]:
-  """Our parameter at `path` -> (its name in the published layout, the stored tensor)."""
-  tensor = _tensor(path)
-  if tensor.kind == "linear":
-    value = value.reshape(math.prod(value.shape[:tensor.in_dims]), -1).T
-  elif tensor.kind == "conv":
-    value = value.transpose(3, 2, 0, 1)   # [p, p, C, W] -> [W, C, p, p]
-  elif path[-1] == "bias":
-    value = value.reshape(-1)
-  name = tensor.name
+def _saved_name(name: str) -> str:
+  """The published layout keeps SigLIP's own "vision_model." below the tower."""
   if name.startswith(_TOWER):
-    name = _TOWER + "vision_model." + name[len(_TOWER):]
-  return name, np.ascontiguousarray(value)
+    return _TOWER + "vision_model." + name[len(_TOWER):]
+  return name
+
+
+LAYOUT = TowerLayout(_LAYER_NAMES, _TOP_NAMES, _TOWER + "encoder.layers.", _PREFIXES,
+                     _saved_name)

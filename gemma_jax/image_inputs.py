@@ -18,7 +18,7 @@ then tokenize) or on token ids (`insert_image_placeholders`).
 
 import math
 import os
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -73,18 +73,27 @@ def to_rgb(image: Any) -> np.ndarray:
   return image
 
 
-def _coefficients(in_size: int, out_size: int):
-  """Pillow's bilinear taps: first index [O], weights [O, K] (float64, rows sum to 1)."""
+class Filter(NamedTuple):
+  """A Pillow resampling filter: its kernel (float64 in, float64 out) and support."""
+  kernel: Callable[[np.ndarray], np.ndarray]
+  support: float
+
+
+BILINEAR = Filter(lambda x: np.maximum(1.0 - np.abs(x), 0.0), 1.0)   # the triangle
+
+
+def _coefficients(in_size: int, out_size: int, resample: Filter):
+  """Pillow's taps: first index [O], weights [O, K] (float64, rows sum to 1)."""
   scale = in_size / out_size
   filterscale = max(scale, 1.0)
-  support = 1.0 * filterscale                  # the triangle filter's support is 1
+  support = resample.support * filterscale
   ksize = int(math.ceil(support)) * 2 + 1
   center = (np.arange(out_size) + 0.5) * scale
   xmin = np.maximum(np.trunc(center - support + 0.5).astype(np.int64), 0)
   count = np.minimum(np.trunc(center + support + 0.5).astype(np.int64), in_size) - xmin
   taps = np.arange(ksize)
   x = (taps[None, :] + xmin[:, None] - center[:, None] + 0.5) * (1.0 / filterscale)
-  weights = np.where(taps[None, :] < count[:, None], np.maximum(1.0 - np.abs(x), 0.0), 0.0)
+  weights = np.where(taps[None, :] < count[:, None], resample.kernel(x), 0.0)
   total = np.zeros(out_size)
   for k in range(ksize):                        # Pillow sums the taps in order
     total = total + weights[:, k]
@@ -93,13 +102,15 @@ def _coefficients(in_size: int, out_size: int):
   return xmin, weights
 
 
-def _resample_axis(image: np.ndarray, axis: int, out_size: int, fixed_point: bool):
+def _resample_axis(image: np.ndarray, axis: int, out_size: int, fixed_point: bool,
+                   resample: Filter):
   """One separable pass along `axis` (0 rows, 1 columns) of an [H, W, C] image."""
   in_size = image.shape[axis]
-  xmin, weights = _coefficients(in_size, out_size)
+  xmin, weights = _coefficients(in_size, out_size, resample)
   index = np.minimum(xmin[:, None] + np.arange(weights.shape[1])[None, :], in_size - 1)
-  if fixed_point:
-    weights = np.trunc(weights * (1 << PRECISION_BITS) + 0.5).astype(np.int64)
+  if fixed_point:   # rounded half away from zero: a cubic's negative lobes round down
+    weights = np.trunc(weights * (1 << PRECISION_BITS) + np.where(weights < 0, -0.5, 0.5))
+    weights = weights.astype(np.int64)
     total = np.full((), 1 << (PRECISION_BITS - 1), np.int64)
     source = image.astype(np.int64)
   else:
@@ -114,14 +125,15 @@ def _resample_axis(image: np.ndarray, axis: int, out_size: int, fixed_point: boo
   return total.astype(np.float32)
 
 
-def resize_bilinear(image: np.ndarray, height: int, width: int) -> np.ndarray:
-  """Pillow's `Image.resize((width, height), BILINEAR)` of an [H, W, C] image, in numpy.
+def pillow_resize(image: np.ndarray, height: int, width: int, resample: Filter) -> np.ndarray:
+  """Pillow's `Image.resize((width, height), filter)` of an [H, W, C] image, in numpy.
 
-  uint8 images go through Pillow's 8-bit fixed-point arithmetic (bit-exact, uint8 out);
-  float images as Pillow's mode "F" (float64 taps, float32 between and after the passes).
-  The pass order is Pillow's (13.0, `ImagingResampleInner`): horizontal first, unless
-  the height shrinks by more than twice as many pixels as the width does. The order
-  changes the rounding of the 8-bit intermediate image.
+  uint8 images go through Pillow's 8-bit fixed-point arithmetic (bit-exact, uint8 out,
+  clipped to [0, 255] between the passes); float images as Pillow's mode "F" (float64
+  taps, float32 between and after the passes). The pass order is Pillow's (13.0,
+  `ImagingResampleInner`): horizontal first, unless the height shrinks by more than
+  twice as many pixels as the width does. The order changes the rounding of the 8-bit
+  intermediate image.
   """
   image = np.asarray(image)
   fixed_point = image.dtype == np.uint8
@@ -133,8 +145,13 @@ def resize_bilinear(image: np.ndarray, height: int, width: int) -> np.ndarray:
   for axis in axes:
     size = (height, width)[axis]
     if image.shape[axis] != size:
-      image = _resample_axis(image, axis, size, fixed_point)
+      image = _resample_axis(image, axis, size, fixed_point, resample)
   return image
+
+
+def resize_bilinear(image: np.ndarray, height: int, width: int) -> np.ndarray:
+  """Pillow's `Image.resize((width, height), BILINEAR)`: see `pillow_resize`."""
+  return pillow_resize(image, height, width, BILINEAR)
 
 
 def preprocess_image(image: Union[str, os.PathLike, np.ndarray, Any],
@@ -236,3 +253,44 @@ def insert_image_placeholders(ids: Sequence[int], *, boi_token_id: int, eoi_toke
       out.append(token)
   flush()
   return out
+
+
+def with_markers(row: np.ndarray, count: int, marker_id: int, prompt: int,
+                 field: str) -> np.ndarray:
+  """A prompt's ids [BOS, ...] holding one `marker_id` per image: as they are when they
+  hold `count`, with `count` markers after the BOS when they hold none; otherwise a
+  ValueError naming the prompt and the marker's config `field`."""
+  row = np.asarray(row)
+  markers = int(np.sum(row == marker_id))
+  if count and not markers:
+    return np.concatenate([row[:1], [marker_id] * count, row[1:]])
+  if markers != count:
+    raise ValueError(f"prompt {prompt} holds {markers} image markers ({field}={marker_id}) "
+                     f"but {count} images were given for it")
+  return row
+
+
+def prompts_with_images(rows: Sequence[np.ndarray], images: Sequence[Sequence],
+                        vision: Any) -> Tuple[list, np.ndarray]:
+  """Prompt ids [BOS, ...] per row and images per row (files, PIL images or arrays) ->
+  (rows with each start-of-image marker expanded into its span, pixels [B, I, S, S, C]
+  padded with zeros). `vision` is the config's vision section. A row without markers
+  gets one per image after its BOS; otherwise markers and images must match one to one.
+
+  Raises:
+    ValueError naming the prompt whose markers and images differ.
+  """
+  expanded = []
+  for b, (row, row_images) in enumerate(zip(rows, images)):
+    row = with_markers(row, len(row_images), vision.boi_token_id, b, "boi_token_id")
+    expanded.append(np.asarray(insert_image_placeholders(
+        row, boi_token_id=vision.boi_token_id, eoi_token_id=vision.eoi_token_id,
+        image_token_id=vision.image_token_id, tokens_per_image=vision.tokens_per_image,
+        newline_ids=vision.double_newline_token_id), np.int32))
+  most = max([1] + [len(row_images) for row_images in images])
+  pixels = np.zeros((len(rows), most, vision.image_size, vision.image_size,
+                     vision.num_channels), np.float32)
+  for b, row_images in enumerate(images):
+    if row_images:
+      pixels[b, :len(row_images)] = preprocess_images(row_images, vision.image_size)
+  return expanded, pixels

@@ -57,10 +57,12 @@ PRESETS = {
     "gemma4-e2b": dict(_GEMMA4, num_layers=35, d_model=1536, num_heads=8, num_kv_heads=1,
                        mlp_dim=6144, attention_pattern=("local",) * 4 + ("global",),
                        sliding_window=512, global_k_eq_v=False, per_layer_input_dim=256,
-                       num_kv_shared_layers=20, double_wide_mlp=True),
+                       num_kv_shared_layers=20, double_wide_mlp=True,
+                       bidirectional_span_types=()),
     "gemma4-e4b": dict(_GEMMA4, num_layers=42, d_model=2560, num_heads=8, num_kv_heads=2,
                        mlp_dim=10240, sliding_window=512, global_k_eq_v=False,
-                       per_layer_input_dim=256, num_kv_shared_layers=18),
+                       per_layer_input_dim=256, num_kv_shared_layers=18,
+                       bidirectional_span_types=()),
     "gemma4-tiny": _GEMMA4_TINY,
     # A CPU-sized small model: per-layer inputs, 5 shared key/value layers (a scanned
     # period), double-wide MLPs there.
@@ -68,7 +70,7 @@ PRESETS = {
                             attention_pattern=("local",) * 4 + ("global",), num_kv_heads=1,
                             global_num_kv_heads=None, global_k_eq_v=False, mlp_dim=256,
                             per_layer_input_dim=16, num_kv_shared_layers=5,
-                            double_wide_mlp=True),
+                            double_wide_mlp=True, bidirectional_span_types=()),
     "gpt3-52k": dict(_GPT3, num_layers=1, d_model=16, num_heads=2, num_kv_heads=2, head_dim=8,
                      mlp_dim=64, vocab_size=1024, trainable_position_size=2048),
     "gpt3-6b": dict(_GPT3, num_layers=48, d_model=3072, num_heads=12, num_kv_heads=12,
@@ -100,6 +102,26 @@ PRESETS["gemma3-tiny-vision"] = dict(
         mlp_dim=128, tokens_per_image=4, boi_token_id=508, eoi_token_id=509,
         image_token_id=510, double_newline_token_id=511))
 
+# Gemma 4's image tower (transformers' Gemma4VisionConfig defaults: the small models'
+# ~150M-parameter one): 16-pixel patches of an image kept at its aspect ratio, 3 x 3 of
+# them pooled into each of at most 280 soft tokens.
+_GEMMA4_VISION = dict(enabled=True, width=768, num_layers=16, num_heads=12, num_kv_heads=12,
+                      head_dim=64, mlp_dim=3072, patch_size=16, pooling_kernel=3,
+                      max_soft_tokens=280, position_embedding_size=10_240, rope_base=100.0,
+                      layer_norm_eps=1e-6, activation="gelu_tanh", standardize=False,
+                      use_clipped_linears=False,
+                      boi_token_id=255_999, eoi_token_id=258_882, image_token_id=258_880,
+                      pad_token_id=0)
+PRESETS.update({f"gemma4-{size}-vision": dict(PRESETS[f"gemma4-{size}"], vision=_GEMMA4_VISION)
+                for size in ("e2b", "e4b")})
+# A CPU-sized Gemma 4 image model: 4-pixel patches pooled 2 x 2, at most 16 soft tokens
+# per image, bidirectional in local layers.
+PRESETS["gemma4-tiny-vision"] = dict(
+    _GEMMA4_TINY, vision=dict(
+        _GEMMA4_VISION, width=32, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16,
+        mlp_dim=64, patch_size=4, pooling_kernel=2, max_soft_tokens=16,
+        position_embedding_size=64, boi_token_id=508, eoi_token_id=509, image_token_id=510))
+
 
 def get_config(name: str) -> config_dict.ConfigDict:
   """The default experiment config with the named preset's model."""
@@ -110,6 +132,7 @@ def get_config(name: str) -> config_dict.ConfigDict:
   config.model.name = name
   if config.model.block_type == "gemma4":
     # Gemma 4's multiplicative scales (norms x scale, router, per-expert, per-layer
-    # scalars) start at 1: weight decay would pull them towards 0.
-    config.optimizer.no_decay = ("norm", "scale", "scalar")
+    # scalars) start at 1: weight decay would pull them towards 0. The vision tower's
+    # clip bounds (+-inf until set) and standardize statistics are constants.
+    config.optimizer.no_decay = ("norm", "scale", "scalar", "_clip/", "standardize/")
   return config

@@ -24,7 +24,7 @@ from gemma_jax import modules
 from gemma_jax import decoder
 from gemma_jax.decoder import Decoder
 from gemma_jax.layers import activation_stats, moe
-from gemma_jax.models import vision
+from gemma_jax.models import towers, vision
 
 
 class Transformed(NamedTuple):
@@ -139,10 +139,13 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
         under jit).
       segment_ids: [B, T] document ids of packed rows (0 for padding); default: one
         document per row.
-      images: [B, I, S, S, C] pixels from `gemma_jax.image_inputs` (a model with
-        `vision.enabled`): row b's images in the order of its placeholder spans (each
-        `vision.tokens_per_image` ids `vision.image_token_id`, bidirectional among
-        themselves); images after a row's last span are padding.
+      images: (a model with `vision.enabled`) Gemma 3: [B, I, S, S, C] pixels from
+        `gemma_jax.image_inputs`, each filling a span of `vision.tokens_per_image` ids
+        `vision.image_token_id`; Gemma 4: `gemma4_images.ImagePatches` [B, I, P, ...],
+        each filling a span of its own soft-token count. Row b's images go to its
+        placeholder spans in order (bidirectional among themselves in the attention
+        types `bidirectional_span_types`); images after a row's last span are padding
+        (Gemma 4: empty images, all positions -1).
       rng: a PRNG key enables dropout; None runs deterministically.
       return_aux: also return the auxiliary outputs, a dict: "losses" maps names to
         weighted scalar losses to add to the objective (MoE load balancing and router
@@ -152,7 +155,7 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
         maps "activation_mean/layer_{i}" (and _stdev, _fraction_zero) to scalars.
     """
     checked = inputs(tokens, positions, segment_ids)
-    vision.check_image_inputs(tokens, images, model_config.vision)
+    towers.check_image_inputs(tokens, images, model_config)
     return _apply(params, *checked, images, rng, return_aux)
 
   return Transformed(init, apply)

@@ -130,6 +130,6 @@ def load_model(*, workdir: Optional[str] = None, hf_dir: Optional[str] = None,
     config, params = init_from.merged(load_config(workdir), workdir)
     name = tokenizer or config.data.tokenizer or "byte"
   else:
-    config, params = hf.load(hf_dir)
+    config, params = hf.load(hf_dir, skip_audio=True)   # the apps feed no audio
     name = tokenizer or hf_dir
   return Loaded(config, params, tokenizers.get_tokenizer(name, config.model.vocab_size))

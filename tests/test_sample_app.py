@@ -9,13 +9,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import sentencepiece
 import torch
 from PIL import Image
 
 import gemma_jax as gj
 from gemma_jax import workdir as workdir_lib
-from gemma_jax import image_inputs
+from gemma_jax import gemma4_images, image_inputs
 from gemma_jax.training import checkpoints, optimizer, steps, tokenizers
 from test_hf import random_model
 
@@ -116,10 +117,32 @@ def test_from_a_training_workdir(tmp_path):
   assert stdout.startswith(prompt + tokenizer.decode(new) + "\n")
 
 
-def test_describes_an_image_from_a_multimodal_checkpoint(tmp_path):
-  """--image with a tiny random Gemma 3 vision model saved in transformers' layout: the
-  greedy text equals an argmax loop over the full forward given the same image."""
-  config = gj.get_config("gemma3-tiny-vision")
+def prompt_with_image(config, image, ids):
+  """(ids [BOS, image marker, ...] with the marker's span, the model's images), written
+  from each family's preprocessing functions (not the Sampler's)."""
+  v = config.model.vision
+  if config.model.block_type == "gemma3":
+    ids = image_inputs.insert_image_placeholders(
+        ids, boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id,
+        image_token_id=v.image_token_id, tokens_per_image=v.tokens_per_image,
+        newline_ids=v.double_newline_token_id)
+    return ids, jnp.asarray(image_inputs.preprocess_images([image], v.image_size)[None])
+  budget = dict(patch_size=v.patch_size, pooling_kernel=v.pooling_kernel,
+                max_soft_tokens=v.max_soft_tokens)
+  ids = gemma4_images.insert_image_placeholders(
+      ids, [gemma4_images.num_soft_tokens(*image.shape[:2], **budget)],
+      image_token_id=v.image_token_id, boi_token_id=v.boi_token_id,
+      eoi_token_id=v.eoi_token_id)
+  patches, positions = gemma4_images.preprocess_images([image], **budget)
+  return ids, gemma4_images.ImagePatches(patches[None], positions[None])
+
+
+@pytest.mark.parametrize("preset", ["gemma3-tiny-vision", "gemma4-tiny-vision"])
+def test_describes_an_image_from_a_multimodal_checkpoint(tmp_path, preset):
+  """--image with a tiny random image model (Gemma 3's or Gemma 4's tower) saved in
+  transformers' layout: the greedy text equals an argmax loop over the full forward given
+  the same image."""
+  config = gj.get_config(preset)
   config.model.update(num_layers=2, attention_pattern=("local", "global"), sliding_window=8)
   v = config.model.vision
   rng = np.random.RandomState(1)
@@ -132,17 +155,14 @@ def test_describes_an_image_from_a_multimodal_checkpoint(tmp_path):
 
   tokenizer = tokenizers.ByteTokenizer()
   prompt = "A picture of"
-  ids = image_inputs.insert_image_placeholders(
-      [tokenizer.bos_id, v.boi_token_id, *tokenizer.encode([prompt])[0]],
-      boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id,
-      image_token_id=v.image_token_id, tokens_per_image=v.tokens_per_image,
-      newline_ids=v.double_newline_token_id)
-  pixels = jnp.asarray(image_inputs.preprocess_images([image], v.image_size)[None])
+  marker = v.boi_token_id if config.model.block_type == "gemma3" else v.image_token_id
+  ids, images = prompt_with_image(
+      config, image, [tokenizer.bos_id, marker, *tokenizer.encode([prompt])[0]])
   row = np.zeros((1, len(ids) + NEW), np.int32)
   row[0, :len(ids)] = ids
   apply = jax.jit(gj.transform(config).apply)
   for i in range(len(ids), row.shape[1]):
-    row[0, i] = np.argmax(apply(params, jnp.asarray(row), images=pixels)[0, i - 1])
+    row[0, i] = np.argmax(apply(params, jnp.asarray(row), images=images)[0, i - 1])
   new = row[0, len(ids):].tolist()
   new = new[:new.index(tokenizer.eos_id)] if tokenizer.eos_id in new else new
 

@@ -180,9 +180,9 @@ class MarkerTokenizer(tokenizers.ByteTokenizer):
 
 
 @pytest.mark.parametrize("prompts, images, message", [
-    (["<img>a<img>b"], [["x"]], r"prompt 0 holds 2 start-of-image markers .* but 1 images"),
-    (["<img>a"], [["x", "x"]], r"prompt 0 holds 1 start-of-image markers .* but 2 images"),
-    (["a", "<img>b"], [["x"], []], r"prompt 1 holds 1 start-of-image markers .* but 0 images"),
+    (["<img>a<img>b"], [["x"]], r"prompt 0 holds 2 image markers .* but 1 images"),
+    (["<img>a"], [["x", "x"]], r"prompt 0 holds 1 image markers .* but 2 images"),
+    (["a", "<img>b"], [["x"], []], r"prompt 1 holds 1 image markers .* but 0 images"),
     (["<soft>a"], [["x"]], r"tokens row 0 holds 2 image placeholder spans but 1 images"),
 ])
 def test_sampler_refuses_images_that_do_not_match_the_markers(prompts, images, message):

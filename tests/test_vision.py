@@ -89,15 +89,15 @@ def our_params(scan=True):
 
 def by_canonical_name(state):
   """{any transformers layout name: tensor} -> {canonical name: numpy array} (vision only)."""
-  return {hf_vision.canonical_name(k): np.asarray(v) for k, v in state.items()
-          if hf_vision.canonical_name(k)}
+  return {hf_vision.LAYOUT.canonical_name(k): np.asarray(v) for k, v in state.items()
+          if hf_vision.LAYOUT.canonical_name(k)}
 
 
 def ours_by_canonical_name(params):
   """Our scanned tower parameters (or their gradients) -> {canonical name: numpy array},
   as hf.save writes them."""
   unrolled = decoder.unstack_layers({"vision": params}, loaded()[0].model)["vision"]
-  return by_canonical_name(dict(hf_vision.to_hf(np.asarray(value), path) for path, value in
+  return by_canonical_name(dict(hf_vision.LAYOUT.to_hf(np.asarray(value), path) for path, value in
                                 flax.traverse_util.flatten_dict(unrolled).items()))
 
 
@@ -276,7 +276,7 @@ def test_load_and_save_map_every_layout(layout, tmp_path):
     gj.hf.save(str(tmp_path / "out"), config, params)
     saved = safetensors_io.read(str(tmp_path / "out" / "model.safetensors"))
     # Written in the published layout, whatever was read.
-    assert {k for k in saved if hf_vision.canonical_name(k)} == published
+    assert {k for k in saved if hf_vision.LAYOUT.canonical_name(k)} == published
     got = by_canonical_name(saved)
     assert set(got) == set(expected)
     for name, value in got.items():
@@ -346,10 +346,11 @@ def test_validate_names_the_field(field, value):
   assert str(error.value).startswith(f"config.model.vision.{field}: ")
 
 
-def test_vision_needs_the_gemma3_block():
-  config = gj.get_config("gemma4-tiny")
+def test_vision_needs_a_gemma_block():
+  config = gj.get_config("parallel-tiny")
   config.model.vision.enabled = True
-  with pytest.raises(ConfigError, match="model.vision.enabled"):
+  with pytest.raises(ConfigError, match="model.vision.enabled: vision towers are Gemma 3's "
+                     "and Gemma 4's"):
     gj.validate(config)
 
 

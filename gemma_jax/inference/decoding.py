@@ -36,7 +36,7 @@ from gemma_jax import config as config_lib
 from gemma_jax import modules
 from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
 from gemma_jax.layers.attention import Decode, Prefill, attention_mask
-from gemma_jax.models import vision
+from gemma_jax.models import towers, vision
 from gemma_jax.quant import kv_cache
 from gemma_jax.transformer import _check_positions, _check_tokens
 
@@ -179,8 +179,8 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       cache_dtype: dtype of the cached keys and values, one of `kv_cache.CACHE_DTYPES`:
         float32, bfloat16, float16, or int8 (a float32 scale per token and head beside
         them, see `gemma_jax.quant.kv_cache`); default `default_cache_dtype`.
-      images: [B, I, S, S, C] pixels for the prompts' image placeholder spans (a model
-        with `vision.enabled`; see `Transformed.apply`).
+      images: the images of the prompts' placeholder spans (a model with
+        `vision.enabled`; see `Transformed.apply`).
     """
     if lengths is None:
       lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
@@ -189,7 +189,7 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       raise ValueError(f"cache_length={cache_length} exceeds the model's "
                        f"trainable_position_size={model.trainable_position_size}")
     dtype = kv_cache.check_dtype(cache_dtype or default_cache_dtype(config))
-    vision.check_image_inputs(tokens, images, model.vision)
+    towers.check_image_inputs(tokens, images, model)
     return _prefill(params, tokens, jnp.asarray(lengths, jnp.int32), images, cache_length,
                     dtype)
 

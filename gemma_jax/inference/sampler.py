@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax import image_inputs
 from gemma_jax.inference import decoding as decoding_lib
-from gemma_jax.models import vision
+from gemma_jax.models import towers
 from gemma_jax.quant import kv_cache
 
 
@@ -76,8 +75,8 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
   Row b holds its new tokens up to and including its first id in `eos_ids` [E] (E may
   be 0), then `pad_id`. The caches cover `cache_length` positions: with fewer than
   max(lengths) + N - 1, global layers forget their oldest keys as in `prefill` (`Sampler`
-  always sizes them to fit). Options as in `choose`; `rng` is split once per step. `images` [B, I, S,
-  S, C] fill the prompts' image placeholder spans (a model with vision).
+  always sizes them to fit). Options as in `choose`; `rng` is split once per step. `images` (see
+  `Transformed.apply`) fill the prompts' image placeholder spans (a model with vision).
   """
   params = decoding.unrolled(params)   # once, not in every step of the loop
   logits, cache = decoding.prefill(params, prompts, lengths, cache_length=cache_length,
@@ -148,8 +147,10 @@ class Sampler:
     """Continues each prompt by up to `max_new_tokens` tokens; options as in `choose`.
 
     images: per prompt, its images (files, PIL images or arrays; a model with vision).
-      Each fills the prompt's next start-of-image marker (a prompt holds as many markers
-      as images); a prompt without markers gets one per image in front of its text.
+      Each fills the prompt's next image marker (Gemma 3: `vision.boi_token_id`,
+      "<start_of_image>"; Gemma 4: `vision.image_token_id`, "<|image|>"; a prompt holds
+      as many markers as images); a prompt without markers gets one per image in front
+      of its text.
     """
     check_options(temperature, top_k, top_p, vocab_size=self.config.model.vocab_size)
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
@@ -158,7 +159,7 @@ class Sampler:
     rows = [np.concatenate([[t.bos_id], ids]) for ids in t.encode(list(prompts))]
     pixels = None
     if images is not None:
-      rows, pixels = self._with_images(rows, images)
+      rows, pixels = towers.prompts_with_images(rows, images, self.config.model)
     lengths = np.asarray([len(row) for row in rows], np.int32)
     tokens = np.full((len(rows), lengths.max()), t.pad_id, np.int32)
     for b, row in enumerate(rows):
@@ -170,14 +171,14 @@ class Sampler:
                        f"needs positions up to {cache_length - 1}, past the learned position "
                        f"table [0, config.model.trainable_position_size={table})")
     decoding_lib.check_prompts(tokens, lengths, cache_length, self.config.model.vocab_size)
-    vision.check_image_inputs(tokens, pixels, self.config.model.vision)   # ids concrete here
+    towers.check_image_inputs(tokens, pixels, self.config.model)   # ids concrete here
     static = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
                   top_p=float(top_p), pad_id=t.pad_id, cache_length=cache_length,
                   cache_dtype=self.cache_dtype)
     stops = np.asarray(t.stop_ids, np.int32)
     args = (self.params, tokens, lengths, jax.random.key(seed), stops, pixels)
     start = time.perf_counter()
-    key = (tokens.shape, None if pixels is None else pixels.shape, tuple(sorted(static.items())))
+    key = (tokens.shape, jax.tree.map(np.shape, pixels), tuple(sorted(static.items())))
     if key not in self._compiled:
       self._compiled[key] = generate.lower(self.decoding, *args, **static).compile()
     compiled = time.perf_counter()
@@ -186,34 +187,3 @@ class Sampler:
     stopped = np.isin(out, stops)
     new = [row[:np.argmax(hit)] if hit.any() else row for row, hit in zip(out, stopped)]
     return Samples([t.decode(ids.tolist()) for ids in new], new, seconds, compiled - start)
-
-  def _with_images(self, rows: list, images: Sequence[Sequence]):
-    """Prompt ids [BOS, ...] per row, images per row -> (rows with each start-of-image
-    marker expanded into its placeholder span, pixels [B, I, S, S, C] padded with zeros).
-    A row's markers must match its images one to one (or be absent: then inserted)."""
-    v = self.config.model.vision
-    if not v.enabled:
-      raise ValueError("images were given to a model without vision "
-                       "(config.model.vision.enabled is False)")
-    if len(images) != len(rows):
-      raise ValueError(f"images must hold one list per prompt: {len(rows)} prompts, got "
-                       f"{len(images)} lists")
-    expanded = []
-    for b, (row, row_images) in enumerate(zip(rows, images)):
-      markers = int(np.sum(row == v.boi_token_id))
-      if row_images and not markers:
-        row = np.concatenate([row[:1], [v.boi_token_id] * len(row_images), row[1:]])
-      elif markers != len(row_images):
-        raise ValueError(f"prompt {b} holds {markers} start-of-image markers "
-                         f"(boi_token_id={v.boi_token_id}) but {len(row_images)} images were "
-                         "given for it")
-      expanded.append(np.asarray(image_inputs.insert_image_placeholders(
-          row, boi_token_id=v.boi_token_id, eoi_token_id=v.eoi_token_id,
-          image_token_id=v.image_token_id, tokens_per_image=v.tokens_per_image,
-          newline_ids=v.double_newline_token_id), np.int32))
-    most = max(1, max(len(row_images) for row_images in images))
-    pixels = np.zeros((len(rows), most, v.image_size, v.image_size, v.num_channels), np.float32)
-    for b, row_images in enumerate(images):
-      if row_images:
-        pixels[b, :len(row_images)] = image_inputs.preprocess_images(row_images, v.image_size)
-    return expanded, pixels

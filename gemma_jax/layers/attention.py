@@ -38,16 +38,16 @@ def attention_mask(q_index: jax.Array, kv_index: jax.Array,
     q_index, kv_index: [B, T], [B, S] token indices in the sequence (causality).
     q_segments, kv_segments: [B, T], [B, S] document ids of packed rows; queries
       only see keys of their own document.
-    window: if set, a query sees only the `window` most recent keys (itself included).
+    window: if set, a query sees no key `window` or more positions before it.
     q_spans, kv_spans: [B, T], [B, S] span ids; tokens sharing a span id > 0 see
       each other in both directions (e.g. the soft tokens of one image).
   """
   q, k = q_index[:, :, None], kv_index[:, None, :]
   visible = k <= q
-  if window is not None:
-    visible &= q - k < window
   if q_spans is not None:
     visible |= (q_spans[:, :, None] == kv_spans[:, None, :]) & (q_spans[:, :, None] > 0)
+  if window is not None:   # also within a span: transformers' AND(window, OR(causal, span))
+    visible &= q - k < window
   return visible & (q_segments[:, :, None] == kv_segments[:, None, :])
 
 

@@ -82,6 +82,26 @@ class VisionLayer(nn.Module):
     return x, None
 
 
+def encoder_layers(encoder: nn.Module, layer_cls: type, x: jax.Array, *context) -> jax.Array:
+  """Inside a tower encoder's compact call: its `config.num_layers` layers of `layer_cls`
+  (fields config, dtype, param_dtype, attention_kernel; called as (x, *context) ->
+  (x, None)) over x, rematted by `encoder.remat_policy` and scanned (parameters
+  "layers", stacked) or unrolled ("layers_{i}") by `encoder.scan_layers`."""
+  if remat.is_remat(encoder.remat_policy):
+    layer_cls = nn.remat(layer_cls, policy=remat.POLICIES[encoder.remat_policy],
+                         prevent_cse=not encoder.scan_layers)
+  fields = (encoder.config, encoder.dtype, encoder.param_dtype, encoder.attention_kernel)
+  if encoder.scan_layers:
+    x, _ = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                   in_axes=(nn.broadcast,) * len(context), length=encoder.config.num_layers,
+                   metadata_params={nn.PARTITION_NAME: "layers"})(
+                       *fields, name="layers")(x, *context)
+    return x
+  for i in range(encoder.config.num_layers):
+    x, _ = layer_cls(*fields, name=f"layers_{i}")(x, *context)
+  return x
+
+
 class VisionEncoder(nn.Module):
   """SigLIP: pixels [N, S, S, C] -> patch features [N, P, W] after the final LayerNorm."""
   config: config_dict.ConfigDict
@@ -110,19 +130,7 @@ class VisionEncoder(nn.Module):
                      self.param_dtype)
     x = x + pos.astype(self.dtype)[None]
 
-    layer_cls = VisionLayer
-    if remat.is_remat(self.remat_policy):
-      layer_cls = nn.remat(VisionLayer, policy=remat.POLICIES[self.remat_policy],
-                           prevent_cse=not self.scan_layers)
-    if self.scan_layers:
-      x, _ = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
-                     length=c.num_layers, metadata_params={nn.PARTITION_NAME: "layers"})(
-                         c, self.dtype, self.param_dtype, self.attention_kernel,
-                         name="layers")(x)
-    else:
-      for i in range(c.num_layers):
-        x, _ = layer_cls(c, self.dtype, self.param_dtype, self.attention_kernel,
-                         name=f"layers_{i}")(x)
+    x = encoder_layers(self, VisionLayer, x)
     x = _layer_norm(c.layer_norm_eps, self.param_dtype, "final_norm")(x).astype(self.dtype)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
@@ -227,12 +235,8 @@ def merge_soft_tokens(embeddings: jax.Array, tokens: jax.Array, soft_tokens: jax
 def check_image_inputs(tokens: Any, images: Any, config: config_dict.ConfigDict) -> None:
   """Raises ValueError naming what is wrong with images [B, I, S, S, C] for tokens [B, T]:
   the shape, or (when the ids are concrete) a placeholder span of the wrong length or a
-  row with more spans than images. `config` is the vision section."""
-  if images is None and not config.enabled:
-    return
-  if not config.enabled:
-    raise ValueError("images were given to a model without vision "
-                     "(config.model.vision.enabled is False)")
+  row with more spans than images. `config` is the vision section (of a model with
+  vision: `towers.check_image_inputs` checks that)."""
   b = tokens.shape[0]
   if images is not None:
     expected = (b, None, config.image_size, config.image_size, config.num_channels)

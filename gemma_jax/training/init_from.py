@@ -42,7 +42,8 @@ def checkpoint_model(path: str) -> config_dict.ConfigDict:
   if _kind(path) == "workdir":
     return workdir_lib.load_config(path).model
   try:
-    return hf.load_config(path).model
+    # The apps feed text and images only: Gemma 4's audio tower is left out.
+    return hf.load_config(path, skip_audio=True).model
   except hf.CheckpointError as error:
     raise ConfigError("train.init_from", str(error)) from None
 
@@ -123,7 +124,8 @@ def base_params(config: config_dict.ConfigDict,
   else:
     try:
       _, params = hf.load(path, param_dtype=config.model.param_dtype,
-                          scan_layers=config.model.scan_layers, shardings=shardings)
+                          scan_layers=config.model.scan_layers, shardings=shardings,
+                          skip_audio=True)
     except hf.CheckpointError as error:
       raise ConfigError("train.init_from", str(error)) from None
   params = jax.tree.map(lambda a: a.astype(config.model.param_dtype), params)

@@ -1,0 +1,105 @@
+"""Which vision tower a model has, by its block type: Gemma 3's SigLIP
+(gemma_jax/models/vision.py; images are pixels [B, I, S, S, C] from
+gemma_jax.image_inputs) or Gemma 4's (gemma_jax/models/gemma4_vision.py; images are
+`gemma4_images.ImagePatches` [B, I, P, ...]). The decoder, `Transformed.apply`,
+prefill and the Sampler go through here, never to one family directly.
+"""
+
+from typing import Any, Callable, NamedTuple, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax import gemma4_images
+from gemma_jax import image_inputs
+from gemma_jax.models import gemma4_vision
+from gemma_jax.models import vision
+
+
+class _Tower(NamedTuple):
+  """One family's tower and what surrounds it."""
+  module: Callable[..., nn.Module]    # (vision section, D, dtype, param_dtype, scan, remat, kernel)
+  inputs: Callable[[Any], tuple]      # images -> the tower's arguments
+  blank: Callable[[Any, Any], tuple]  # (vision section, dtype) -> arguments for init
+  # (embeddings, tokens, tower output, vision section) -> embeddings with soft tokens
+  merge: Callable[..., jax.Array]
+  check: Callable[..., None]          # (tokens, images or None, vision section)
+  # (prompt rows, images per row, vision section) -> (rows with spans, model images)
+  prompts: Callable[..., Tuple[list, Any]]
+
+
+_TOWERS = {
+    "gemma3": _Tower(
+        module=vision.VisionTower,
+        inputs=lambda images: (images,),
+        blank=lambda v, dtype: (jnp.zeros((1, v.image_size, v.image_size, v.num_channels),
+                                          dtype),),
+        merge=lambda x, tokens, soft, v: vision.merge_soft_tokens(x, tokens, soft,
+                                                                  v.image_token_id),
+        check=vision.check_image_inputs,
+        prompts=image_inputs.prompts_with_images),
+    "gemma4": _Tower(
+        module=gemma4_vision.Gemma4VisionTower,
+        inputs=tuple,
+        blank=lambda v, dtype: (jnp.zeros((1, v.pooling_kernel ** 2, 3 * v.patch_size ** 2),
+                                          dtype),
+                                jnp.zeros((1, v.pooling_kernel ** 2, 2), jnp.int32)),
+        merge=lambda x, tokens, out, v: gemma4_vision.merge_soft_tokens(
+            x, tokens, *out, v.image_token_id),
+        check=gemma4_vision.check_image_inputs,
+        prompts=gemma4_images.prompts_with_images),
+}
+
+
+def embed_images(model: config_dict.ConfigDict, x: jax.Array, tokens: jax.Array, images: Any,
+                 initializing: bool) -> jax.Array:
+  """Inside the decoder's compact call: the tower "vision" of `model` (its config
+  section) turns `images` into soft tokens that replace the placeholders' embeddings x
+  [B, T, D]. Without images, x is returned; at init the tower still makes its
+  parameters."""
+  tower = _TOWERS[model.block_type]
+  module = tower.module(model.vision, model.d_model, jnp.dtype(model.dtype),
+                        jnp.dtype(model.param_dtype), model.scan_layers, model.remat_policy,
+                        model.attention_kernel, name="vision")
+  if images is not None:
+    return tower.merge(x, tokens, module(*tower.inputs(images)), model.vision)
+  if initializing:
+    module(*tower.blank(model.vision, jnp.dtype(model.dtype)))
+  return x
+
+
+def text_ids(model: config_dict.ConfigDict, tokens: jax.Array) -> jax.Array:
+  """tokens [B, T] with the image placeholders replaced by `vision.pad_token_id`: what
+  Gemma 4 reads its per-layer input table with (transformers' rule)."""
+  if not model.vision.enabled:
+    return tokens
+  v = model.vision
+  return jnp.where(tokens == v.image_token_id, v.pad_token_id, tokens)
+
+
+def check_image_inputs(tokens: Any, images: Any, model: config_dict.ConfigDict) -> None:
+  """Raises ValueError naming what is wrong with `images` for tokens [B, T] of `model`
+  (the config's model section): images for a model without vision, or what the family's
+  check finds (shapes; with concrete ids, spans that do not fit the images)."""
+  if images is None and not model.vision.enabled:
+    return
+  if not model.vision.enabled:
+    raise ValueError("images were given to a model without vision "
+                     "(config.model.vision.enabled is False)")
+  _TOWERS[model.block_type].check(tokens, images, model.vision)
+
+
+def prompts_with_images(rows: Sequence[np.ndarray], images: Sequence[Sequence],
+                        model: config_dict.ConfigDict) -> Tuple[list, Any]:
+  """Prompt ids [BOS, ...] per row and images per row -> (rows with each image's span,
+  the model's `images`); see the family's `prompts_with_images`."""
+  if not model.vision.enabled:
+    raise ValueError("images were given to a model without vision "
+                     "(config.model.vision.enabled is False)")
+  if len(images) != len(rows):
+    raise ValueError(f"images must hold one list per prompt: {len(rows)} prompts, got "
+                     f"{len(images)} lists")
+  return _TOWERS[model.block_type].prompts(rows, images, model.vision)
