@@ -28,7 +28,7 @@ from gemma_jax import gemma4_images
 from gemma_jax import hf_gemma4_vision
 from gemma_jax import safetensors_io
 from gemma_jax.models import gemma4_vision
-from test_vision import generated_image
+from test_vision import generated_image, image_cases
 
 LAYOUT = hf_gemma4_vision.LAYOUT
 TEXT_WIDTH = 48
@@ -351,17 +351,7 @@ def test_preprocessing_matches_transformers(h, w):
 
 
 def test_preprocessing_of_files_modes_and_the_published_budget(tmp_path):
-  png = generated_image(90, 70, seed=3)
-  Image.fromarray(png).save(tmp_path / "image.png")
-  np.save(tmp_path / "image.npy", png)
-  cases = {
-      "rgba": (generated_image(64, 80, 4), generated_image(64, 80, 4)),
-      "grey": (generated_image(50, 60)[..., 0], Image.fromarray(generated_image(50, 60)[..., 0])),
-      "png_file": (str(tmp_path / "image.png"), Image.open(tmp_path / "image.png")),
-      "npy_file": (str(tmp_path / "image.npy"), png),
-      "pil_image": (Image.fromarray(png), Image.fromarray(png)),
-  }
-  for name, (ours_in, theirs_in) in cases.items():
+  for name, (ours_in, theirs_in) in image_cases(tmp_path).items():
     expected = tiny_processor()(images=theirs_in, return_tensors="np")
     ours = gemma4_images.preprocess_image(ours_in, **BUDGET)
     np.testing.assert_array_equal(ours.patches, expected["pixel_values"][0], err_msg=name)

@@ -380,20 +380,26 @@ def test_resize_is_pillows(h, w, out):
                              atol=1e-6)
 
 
-def test_preprocessing_matches_transformers(tmp_path):
-  processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+def image_cases(tmp_path):
+  """{name: (our input, transformers' processor input)} of one image each: RGBA, grey,
+  PNG and .npy files, a PIL image."""
   png = generated_image(90, 70, seed=3)
   Image.fromarray(png).save(tmp_path / "image.png")
   np.save(tmp_path / "image.npy", png)
-  cases = {
-      "rgb_down": (generated_image(300, 200), generated_image(300, 200)),
-      "rgb_up": (generated_image(20, 33), generated_image(20, 33)),
+  return {
       "rgba": (generated_image(64, 80, 4), generated_image(64, 80, 4)),
       "grey": (generated_image(50, 60)[..., 0], Image.fromarray(generated_image(50, 60)[..., 0])),
       "png_file": (str(tmp_path / "image.png"), Image.open(tmp_path / "image.png")),
       "npy_file": (str(tmp_path / "image.npy"), png),
       "pil_image": (Image.fromarray(png), Image.fromarray(png)),
   }
+
+
+def test_preprocessing_matches_transformers(tmp_path):
+  processor = Gemma3ImageProcessorPil(size={"height": 56, "width": 56})
+  cases = dict(image_cases(tmp_path),
+               rgb_down=(generated_image(300, 200), generated_image(300, 200)),
+               rgb_up=(generated_image(20, 33), generated_image(20, 33)))
   for name, (ours_in, theirs_in) in cases.items():
     ours = image_inputs.preprocess_image(ours_in, 56)
     theirs = processor(images=theirs_in, return_tensors="np")["pixel_values"][0]
