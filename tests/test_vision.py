@@ -406,6 +406,7 @@ def test_preprocessing_matches_transformers(tmp_path):
     assert ours.dtype == np.float32 and ours.shape == (56, 56, 3), name
     np.testing.assert_allclose(ours, theirs.transpose(1, 2, 0), rtol=0, atol=1e-5,
                                err_msg=name)
+  png = cases["npy_file"][1]
   batch = image_inputs.preprocess_images([png, png[:40]], 56)
   chex.assert_shape(batch, (2, 56, 56, 3))
 
