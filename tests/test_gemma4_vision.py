@@ -115,8 +115,8 @@ def our_params(extras, scan):
 
 
 def tower(extras, scan=True, **kwargs):
-  return gemma4_vision.Gemma4VisionTower(our_config(extras), TEXT_WIDTH, scan_layers=scan,
-                                         **kwargs)
+  return gemma4_vision.Gemma4VisionTower(our_config(extras), out_width=TEXT_WIDTH,
+                                         scan_layers=scan, **kwargs)
 
 
 def canonical(tensors):
@@ -157,8 +157,9 @@ def test_clip_bounds_and_standardize_take_effect():
   config = our_config(True)
   config.standardize = False
   plain = {k: v for k, v in params.items() if k[0] != "standardize"}
-  tokens, _ = gemma4_vision.Gemma4VisionTower(config, TEXT_WIDTH, scan_layers=False).apply(
-      {"params": flax.traverse_util.unflatten_dict(plain)}, patches, positions)
+  plain_tower = gemma4_vision.Gemma4VisionTower(config, out_width=TEXT_WIDTH, scan_layers=False)
+  tokens, _ = plain_tower.apply({"params": flax.traverse_util.unflatten_dict(plain)}, patches,
+                                positions)
   assert np.abs(np.asarray(tokens[0])[:66] - expected[0]).max() > 1e-2
 
 

@@ -160,6 +160,26 @@ def test_bad_image_inputs_are_named():
     text_only.apply(text_only.init(jax.random.key(0), tokens), tokens % 500, images=pixels)
 
 
+def train_on_images(model, params, tokens, images, learn, optimizer, count):
+  """`count` jitted training steps on rows `tokens` [B, T] with `images` (the model's
+  kind), learning the next token where `learn` [B, T - 1] holds: (params after, the
+  losses)."""
+  inputs = tokens[:, :-1]
+  batch = jax.tree.map(jnp.asarray, dict(
+      tokens=inputs, targets=tokens[:, 1:], weights=np.asarray(learn, np.float32),
+      positions=np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape),
+      segment_ids=np.ones_like(inputs), images=images))
+  state = steps.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
+                           jax.random.key(1))
+  train_step = jax.jit(steps.make_train_step(steps.model_forward(model), optimizer,
+                                             lambda step: 3e-3))
+  losses = []
+  for _ in range(count):
+    state, metrics = train_step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return state.params, losses
+
+
 def test_training_on_generated_images():
   """A few AdamW steps on rows whose text after each image names its colour: the loss
   falls, and the tower's parameters receive gradients."""
@@ -171,23 +191,9 @@ def test_training_on_generated_images():
       0, 0.1, (8, 2, 56, 56, 3))
   span = [v.boi_token_id] + [v.image_token_id] * 4 + [v.eoi_token_id]
   tokens = np.stack([[1] + span + [100 + c[0], 7] + span + [100 + c[1], 2] for c in colours])
-  inputs = tokens[:, :-1]
-  batch = dict(tokens=inputs, targets=tokens[:, 1:],
-               weights=(tokens[:, 1:] >= 100).astype(np.float32),   # the colour names
-               positions=np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape),
-               segment_ids=np.ones_like(inputs), images=images.astype(np.float32))
-  batch = jax.tree.map(jnp.asarray, batch)
-  optimizer = optax.adam(3e-3)
-  state = steps.TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params),
-                           jax.random.key(1))
-  train_step = jax.jit(steps.make_train_step(steps.model_forward(model), optimizer,
-                                             lambda step: 3e-3))
-  losses = []
-  for _ in range(8):
-    before = state.params
-    state, metrics = train_step(state, batch)
-    losses.append(float(metrics["loss"]))
+  params_after, losses = train_on_images(model, params, tokens, images.astype(np.float32),
+                                         (tokens[:, 1:] >= 100), optax.adam(3e-3), 8)
   assert losses[-1] < 0.5 * losses[0], losses
-  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), before["vision"],
-                       state.params["vision"])
+  moved = jax.tree.map(lambda a, b: float(jnp.abs(a - b).max()), params["vision"],
+                       params_after["vision"])
   assert min(jax.tree_util.tree_leaves(moved)) > 0

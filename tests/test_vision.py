@@ -107,7 +107,7 @@ class VisionTowerTest(chex.TestCase):
   @parameterized.named_parameters(("scanned", True), ("unrolled", False))
   def test_matches_transformers(self, scan):
     _, pixels, ref_features, ref_tokens = reference()
-    tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, scan_layers=scan)
+    tower = vision.VisionTower(tiny_config(), out_width=TEXT_WIDTH, scan_layers=scan)
     encoder = vision.VisionEncoder(tiny_config(), scan_layers=scan)
     params = our_params(scan)
     tokens = self.variant(tower.apply)(params, nhwc(pixels))
@@ -120,7 +120,7 @@ class VisionTowerTest(chex.TestCase):
 
   def test_jax_attention_kernel_matches_transformers(self):
     _, pixels, _, ref_tokens = reference()
-    tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, attention_kernel="jax")
+    tower = vision.VisionTower(tiny_config(), out_width=TEXT_WIDTH, attention_kernel="jax")
     tokens = jax.jit(tower.apply)(our_params(), nhwc(pixels))
     np.testing.assert_allclose(tokens, ref_tokens, rtol=0, atol=1e-5)
 
@@ -128,7 +128,7 @@ class VisionTowerTest(chex.TestCase):
     _, pixels, _, ref_tokens = reference()
     outs = {}
     for scan in (True, False):
-      tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, scan_layers=scan)
+      tower = vision.VisionTower(tiny_config(), out_width=TEXT_WIDTH, scan_layers=scan)
       images = nhwc(pixels)[None]                                   # [B=1, I=3, S, S, C]
       outs[scan] = jax.jit(tower.apply)(our_params(scan), images)
       chex.assert_shape(outs[scan], (1, 3, 4, TEXT_WIDTH))
@@ -136,7 +136,7 @@ class VisionTowerTest(chex.TestCase):
     np.testing.assert_allclose(outs[True][0], ref_tokens, rtol=0, atol=1e-5)
 
   def test_init_layout_and_logical_axes(self):
-    boxed = vision.VisionTower(tiny_config(), TEXT_WIDTH).init(jax.random.key(0),
+    boxed = vision.VisionTower(tiny_config(), out_width=TEXT_WIDTH).init(jax.random.key(0),
                                                                jnp.zeros((1, 56, 56, 3)))
     specs = flax.traverse_util.flatten_dict(nn.get_partition_spec(boxed["params"]))
     shapes = flax.traverse_util.flatten_dict(nn.meta.unbox(boxed["params"]))
@@ -211,7 +211,7 @@ def remat_reference():
 
 
 def loss_fn(remat_policy, cotangent):
-  tower = vision.VisionTower(tiny_config(), TEXT_WIDTH, remat_policy=remat_policy)
+  tower = vision.VisionTower(tiny_config(), out_width=TEXT_WIDTH, remat_policy=remat_policy)
   return lambda params, pixels: jnp.sum(tower.apply(params, pixels) * cotangent)
 
 
@@ -321,8 +321,8 @@ def test_default_config_counts_as_transformers_gemma3_4b():
         mm_tokens_per_image=c.tokens_per_image))
   expected = sum(p.numel() for m in (tower, projector) for p in m.parameters())
   pixels = jax.ShapeDtypeStruct((1, c.image_size, c.image_size, c.num_channels), jnp.float32)
-  shapes = nn.meta.unbox(jax.eval_shape(vision.VisionTower(c, 2560).init, jax.random.key(0),
-                                        pixels))
+  shapes = nn.meta.unbox(jax.eval_shape(vision.VisionTower(c, out_width=2560).init,
+                                        jax.random.key(0), pixels))
   assert sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes)) == expected == 419_816_304
   assert projector.kernel_size == 4 and c.width // c.num_heads == 72
   hf_ids = transformers.Gemma3Config()

@@ -41,6 +41,7 @@ Parameter names (scanned: encoder layers stacked on a leading "layers" axis):
   standardize/{bias, scale} [W] (with `standardize`), projector/kernel [W, D].
 """
 
+import dataclasses
 import math
 from typing import Any, Callable, Sequence, Tuple
 
@@ -216,15 +217,9 @@ class Gemma4VisionLayer(nn.Module):
     return x, None
 
 
-class Gemma4VisionEncoder(nn.Module):
+class Gemma4VisionEncoder(vision.TowerModule):
   """Patches [N, P, 3 p^2] and positions [N, P, 2] -> features [N, P, W] (padding rows
   hold anything)."""
-  config: config_dict.ConfigDict
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-  scan_layers: bool = True
-  remat_policy: str = "none"
-  attention_kernel: str = "einsum"
 
   @nn.compact
   def __call__(self, patches: jax.Array, positions: jax.Array) -> jax.Array:
@@ -245,24 +240,11 @@ class Gemma4VisionEncoder(nn.Module):
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 
-class Gemma4VisionTower(nn.Module):
-  """Patches -> soft tokens in the text width and which of them are real.
-
-  Attributes:
-    config: the vision section (`config.model.vision`).
-    out_width: D, the text model's width.
-    dtype, param_dtype: compute and storage dtypes (norms, pooling, standardize in float32).
-    scan_layers: nn.scan over the encoder layers (parameters on a "layers" axis).
-    remat_policy: encoder layer remat, a name from gemma_jax.remat.POLICIES.
-    attention_kernel: "einsum" or "jax", see `attention.dot_product_attention`.
-  """
-  config: config_dict.ConfigDict
-  out_width: int
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-  scan_layers: bool = True
-  remat_policy: str = "none"
-  attention_kernel: str = "einsum"
+class Gemma4VisionTower(vision.TowerModule):
+  """Patches -> soft tokens in the text width and which of them are real; fields of
+  `vision.TowerModule` (standardize also in float32), and out_width (D, the text model's
+  width; keyword only)."""
+  out_width: int = dataclasses.field(kw_only=True)
 
   @nn.compact
   def __call__(self, patches: jax.Array, positions: jax.Array) -> Tuple[jax.Array, jax.Array]:
@@ -277,9 +259,7 @@ class Gemma4VisionTower(nn.Module):
                        f"{c.pooling_kernel} blocks")
     patches = patches.reshape((-1,) + patches.shape[-2:])
     positions = positions.reshape((-1, p, 2))
-    x = Gemma4VisionEncoder(c, self.dtype, self.param_dtype, self.scan_layers,
-                            self.remat_policy, self.attention_kernel, name="encoder")(
-                                patches, positions)
+    x = Gemma4VisionEncoder(*self.settings(), name="encoder")(patches, positions)
     padding = jnp.all(positions == -1, axis=-1)
     x, valid = pool_patches(jnp.where(padding[..., None], 0, x), positions, c.pooling_kernel)
     x = x * math.sqrt(c.width)

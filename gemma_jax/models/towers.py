@@ -21,7 +21,7 @@ from gemma_jax.models import vision
 
 class _Tower(NamedTuple):
   """One family's tower and what surrounds it."""
-  module: Callable[..., nn.Module]    # (vision section, D, dtype, param_dtype, scan, remat, kernel)
+  module: Callable[..., nn.Module]    # a vision.TowerModule with out_width D
   inputs: Callable[[Any], tuple]      # images -> the tower's arguments
   blank: Callable[[Any, Any], tuple]  # (vision section, dtype) -> arguments for init
   # (embeddings, tokens, tower output, vision section) -> embeddings with soft tokens
@@ -61,9 +61,9 @@ def embed_images(model: config_dict.ConfigDict, x: jax.Array, tokens: jax.Array,
   [B, T, D]. Without images, x is returned; at init the tower still makes its
   parameters."""
   tower = _TOWERS[model.block_type]
-  module = tower.module(model.vision, model.d_model, jnp.dtype(model.dtype),
-                        jnp.dtype(model.param_dtype), model.scan_layers, model.remat_policy,
-                        model.attention_kernel, name="vision")
+  module = tower.module(model.vision, jnp.dtype(model.dtype), jnp.dtype(model.param_dtype),
+                        model.scan_layers, model.remat_policy, model.attention_kernel,
+                        out_width=model.d_model, name="vision")
   if images is not None:
     return tower.merge(x, tokens, module(*tower.inputs(images)), model.vision)
   if initializing:

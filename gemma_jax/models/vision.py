@@ -27,6 +27,7 @@ Merge helpers: `image_span_ids` (span ids for `attention_mask(..., q_spans, kv_s
 and `merge_soft_tokens`.
 """
 
+import dataclasses
 import math
 from typing import Any, Tuple
 
@@ -82,7 +83,8 @@ class VisionLayer(nn.Module):
     return x, None
 
 
-def encoder_layers(encoder: nn.Module, layer_cls: type, x: jax.Array, *context) -> jax.Array:
+def encoder_layers(encoder: "TowerModule", layer_cls: type, x: jax.Array,
+                   *context) -> jax.Array:
   """Inside a tower encoder's compact call: its `config.num_layers` layers of `layer_cls`
   (fields config, dtype, param_dtype, attention_kernel; called as (x, *context) ->
   (x, None)) over x, rematted by `encoder.remat_policy` and scanned (parameters
@@ -102,14 +104,31 @@ def encoder_layers(encoder: nn.Module, layer_cls: type, x: jax.Array, *context) 
   return x
 
 
-class VisionEncoder(nn.Module):
-  """SigLIP: pixels [N, S, S, C] -> patch features [N, P, W] after the final LayerNorm."""
+class TowerModule(nn.Module):
+  """The settings every vision tower and encoder module takes (both families').
+
+  Attributes:
+    config: the vision section (`config.model.vision`).
+    dtype, param_dtype: compute and storage dtypes (norms and pooling in float32).
+    scan_layers: nn.scan over the encoder layers (parameters on a "layers" axis).
+    remat_policy: encoder layer remat, a name from gemma_jax.remat.POLICIES.
+    attention_kernel: "einsum" or "jax", see `attention.dot_product_attention`.
+  """
   config: config_dict.ConfigDict
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   scan_layers: bool = True
   remat_policy: str = "none"
   attention_kernel: str = "einsum"
+
+  def settings(self) -> tuple:
+    """The fields above in order: a sub-encoder's first arguments."""
+    return (self.config, self.dtype, self.param_dtype, self.scan_layers, self.remat_policy,
+            self.attention_kernel)
+
+
+class VisionEncoder(TowerModule):
+  """SigLIP: pixels [N, S, S, C] -> patch features [N, P, W] after the final LayerNorm."""
 
   @nn.compact
   def __call__(self, pixels: jax.Array) -> jax.Array:
@@ -162,28 +181,13 @@ class VisionProjector(nn.Module):
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 
-class VisionTower(nn.Module):
-  """Images -> soft tokens in the text width.
-
-  Attributes:
-    config: the vision section (`config.model.vision`).
-    out_width: D, the text model's width.
-    dtype, param_dtype: compute and storage dtypes (norms and pooling in float32).
-    scan_layers: nn.scan over the encoder layers (parameters on a "layers" axis).
-    remat_policy: encoder layer remat, a name from gemma_jax.remat.POLICIES.
-    attention_kernel: "einsum" or "jax", see `attention.dot_product_attention`.
-  """
-  config: config_dict.ConfigDict
-  out_width: int
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-  scan_layers: bool = True
-  remat_policy: str = "none"
-  attention_kernel: str = "einsum"
+class VisionTower(TowerModule):
+  """Images -> soft tokens in the text width; fields of `TowerModule`, and out_width (D,
+  the text model's width; keyword only)."""
+  out_width: int = dataclasses.field(kw_only=True)
 
   def setup(self):
-    self.encoder = VisionEncoder(self.config, self.dtype, self.param_dtype, self.scan_layers,
-                                 self.remat_policy, self.attention_kernel)
+    self.encoder = VisionEncoder(*self.settings())
     self.projector = VisionProjector(self.config, self.out_width, self.dtype, self.param_dtype)
 
   def __call__(self, pixels: jax.Array) -> jax.Array:
