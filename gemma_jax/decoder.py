@@ -32,7 +32,7 @@ from gemma_jax import remat
 from gemma_jax.config import kv_sharing_modes, layer_types
 from gemma_jax.layers.attention import attention_mask, local_blocks, softcap
 from gemma_jax.layers.embed import Embed, sinusoidal
-from gemma_jax.layers.linear import Linear
+from gemma_jax.layers.linear import Linear, unfused
 from gemma_jax.layers.per_layer_inputs import PerLayerInputs
 from gemma_jax.models.gemma3 import Gemma3Layer
 from gemma_jax.models.gemma4 import Gemma4Layer
@@ -212,7 +212,7 @@ class Decoder(nn.Module):
       masks = layer_masks(c, segment_ids, span_ids, blocked=True)
     x = self._layers(x, positions, masks, per_layer)
 
-    x = LAYERS[c.block_type].make_norm(c, "final_norm")(x)
+    x = unfused(LAYERS[c.block_type].make_norm(c, "final_norm")(x))
     if c.logits_via_embedding:
       logits = embed.attend(x)
     else:
