@@ -157,6 +157,44 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
                                rtol=1e-5, atol=1e-5)
 
   @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters((4, 4, None, False), (4, 2, None, False), (4, 1, 5.0, False),
+                            (4, 2, None, True), (2, 1, 3.0, True))
+  def test_gradients_match_torch_float64(self, n, kv, cap, blocked):
+    """The written-out backward pass (`grouped_attention`) against PyTorch's autograd in
+    float64 of the dense masked attention, dense and in window blocks (padded tail)."""
+    import torch   # pylint: disable=import-outside-toplevel
+    t, window = 13, 4
+    keys = jax.random.split(jax.random.key(n + kv), 4)
+    q = jax.random.normal(keys[0], (2, t, n, 8))
+    k, v = (jax.random.normal(key, (2, t, kv, 8)) for key in keys[1:3])
+    weights = jax.random.normal(keys[3], (2, t, n, 8))
+    segments = np.ones((2, t), np.int32)
+    segments[0, 5:] = 2
+    index = np.broadcast_to(np.arange(t), (2, t))
+    mask = np_mask(t, segments, window=window)
+    if blocked:
+      attend = lambda q, k, v: attention_lib.local_block_attention(
+          q, k, v, attention_lib.local_blocks(jnp.asarray(segments), window), cap)
+    else:
+      dense = attention_lib.attention_mask(index, index, segments, segments, window=window)
+      attend = lambda q, k, v: attention_lib.dot_product_attention(q, k, v, dense, cap)
+    grads = self.variant(jax.grad(lambda *a: jnp.sum(attend(*a) * weights), argnums=(0, 1, 2)))(
+        q, k, v)
+
+    qt, kt, vt = (torch.tensor(np.asarray(a), dtype=torch.float64, requires_grad=True)
+                  for a in (q, k, v))
+    logits = torch.einsum("btnh,bsnh->bnts", qt, kt.repeat_interleave(n // kv, dim=2))
+    if cap is not None:
+      logits = cap * torch.tanh(logits / cap)
+    logits = logits.masked_fill(~torch.from_numpy(mask)[:, None], -torch.inf)
+    out = torch.einsum("bnts,bsnh->btnh", torch.softmax(logits, -1),
+                       vt.repeat_interleave(n // kv, dim=2))
+    torch.sum(out * torch.tensor(np.asarray(weights), dtype=torch.float64)).backward()
+    for got, want in zip(grads, (qt.grad, kt.grad, vt.grad)):
+      chex.assert_shape(got, want.shape)
+      np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters((23, 5, None), (20, 5, 3.0), (11, 4, None), (40, 8, None))
   def test_local_blocks_match_float64_window_mask(self, t, window, cap):
     """Blocked sliding-window attention (T x 2W logits) equals the dense windowed mask,
