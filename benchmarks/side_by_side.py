@@ -19,6 +19,11 @@ printed as a check), then times, alternating ours and theirs round by round:
 `jax.jit` of `jax.value_and_grad` over `gj.transform(config).apply` and the
 cross-entropy, with optax's clipped AdamW, no donation, nothing else called.
 
+Peak memory (resident memory above its level before one train step or forward,
+sampled every millisecond) is measured only with GEMMA_JAX_KEEP_FREED_MEMORY=0, where
+freed memory goes back to the system; otherwise the second side would reuse the
+first's pages.
+
 Both run in one process, so the host-memory setting `import gemma_jax` makes on a CPU
 (`gemma_jax.host_memory`; GEMMA_JAX_KEEP_FREED_MEMORY=0 turns it off) applies to both:
 glibc's malloc reuses freed memory instead of faulting fresh pages in, which speeds up
@@ -218,7 +223,8 @@ def leading_agreement(a: np.ndarray, b: np.ndarray) -> int:
   return int(np.min(np.where(differs.any(axis=1), differs.argmax(axis=1), a.shape[1])))
 
 
-def run_shape(name: str) -> dict:
+def run_shape(name: str, memory_kept: bool) -> dict:
+  """The measurements of one shape; peak memory only where freed memory is returned."""
   config = model_config(name)
   m = config.model
   b, t = _BATCH.value, _SEQ.value
@@ -251,6 +257,9 @@ def run_shape(name: str) -> dict:
         "train_step_s": train[who], "train_tokens_per_s": b * t / train[who],
         "train_mfu": b * t / train[who] * flops_per_token / peak,
         "train_step_minor_page_faults": common.minor_page_faults(calls[who].train_step),
+        **({"train_step_peak_memory_bytes": common.peak_resident_growth(calls[who].train_step),
+            "forward_peak_memory_bytes": common.peak_resident_growth(calls[who].forward)}
+           if not memory_kept else {}),
         "forward_s": forward[who], "forward_tokens_per_s": b * t / forward[who],
         "forward_mfu": b * t / forward[who] * flops_per_token / 3 / peak,
         "greedy_s": greedy[who],
@@ -269,7 +278,7 @@ def main(argv):
   kept = os.environ.get(host_memory.OPT_OUT) != "0" and not host_memory.accelerator_installed()
   results = []
   for name in _SHAPES.value:
-    result = run_shape(name)
+    result = run_shape(name, kept)
     results.append(result)
     if "max_logit_difference" in result:
       print(f"{name}: same weights, max |logit difference| "
@@ -283,17 +292,20 @@ def main(argv):
         x = r[who]
         rows.append([r["shape"], who, x["train_tokens_per_s"], f"{x['train_mfu']:.1%}",
                      x["forward_tokens_per_s"], x["decode_tokens_per_s"],
-                     r["peak_flops"] / 1e9, x["train_step_minor_page_faults"]])
+                     r["peak_flops"] / 1e9, x["train_step_minor_page_faults"],
+                     *(f"{x[key] / 2**30:.2f}" if key in x else "-" for key in
+                       ("train_step_peak_memory_bytes", "forward_peak_memory_bytes"))])
     if "ratio_ours_over_theirs" in r:
       q = r["ratio_ours_over_theirs"]
       rows.append([r["shape"], "ours / theirs", f"{q['train_tokens_per_s']:.2f}x", "",
                    f"{q['forward_tokens_per_s']:.2f}x", f"{q['decode_tokens_per_s']:.2f}x", "",
-                   ""])
+                   "", "", ""])
   common.print_table(
       f"batch {_BATCH.value} x {_SEQ.value} (train, forward); decode {_DECODE_BATCH.value} x "
       f"({_PROMPT.value} prompt + {_NEW.value} greedy); {_DTYPE.value}",
       ["shape", "who", "train tok/s", "train MFU", "forward tok/s", "decode tok/s",
-       "matmul peak GFLOP/s", "page faults / train step"], rows)
+       "matmul peak GFLOP/s", "page faults / train step", "train peak GiB",
+       "forward peak GiB"], rows)
   common.write_json(common.output_path(_OUT.value, "side_by_side"),
                     {"dtype": _DTYPE.value, "attention_kernel": _KERNEL.value,
                      "remat_policy": _REMAT.value, "keep_freed_host_memory": kept,
