@@ -158,7 +158,7 @@ def _attention_forward(q, k, v, mask, logit_softcap):
 def _attention_backward(logit_softcap, residuals, d_out):
   q, k, v, mask, probs, out = residuals
   d_probs = jnp.einsum("bkgth,bksh->bkgts", d_out, v, preferred_element_type=jnp.float32)
-  d_v = jnp.einsum("bkgth,bkgts->bksh", d_out, probs.astype(v.dtype))
+  d_v = jnp.einsum("bkgth,bkgts->bkhs", d_out, probs.astype(v.dtype)).swapaxes(2, 3)
   row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
   d_logits = probs * (d_probs - row)      # softmax backward; zero where masked
   if logit_softcap is not None:
@@ -167,7 +167,7 @@ def _attention_backward(logit_softcap, residuals, d_out):
     d_logits = d_logits * (1 - jnp.square(capped / logit_softcap))
   d_logits = d_logits.astype(q.dtype)
   d_q = jnp.einsum("bkgts,bksh->bkgth", d_logits, k)
-  d_k = jnp.einsum("bkgth,bkgts->bksh", q, d_logits)
+  d_k = jnp.einsum("bkgth,bkgts->bkhs", q, d_logits).swapaxes(2, 3)
   return d_q, d_k, d_v.astype(v.dtype), None
 
 
