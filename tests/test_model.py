@@ -11,7 +11,7 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import decoder, remat
-from gemma_jax.layers.attention import LocalBlocks
+from gemma_jax.layers.attention import CausalBlocks, LocalBlocks
 from gemma_jax.transformer import positions_from_segments
 
 
@@ -184,6 +184,30 @@ def test_long_rows_run_local_layers_in_window_blocks():
   params = gj.transform(config).init(jax.random.key(0), toks)
   module = decoder.Decoder(config.model)
   positions = jnp.broadcast_to(jnp.arange(11), (2, 11))
+  blocked = module.apply({"params": params}, toks, positions, segments)
+  dense = module.apply({"params": params}, toks, positions, segments,
+                       masks=decoder.layer_masks(config.model, segments))
+  np.testing.assert_allclose(blocked, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_long_rows_run_causal_layers_in_causal_blocks():
+  """Causal layers take `CausalBlocks` once T holds two blocks (512 tokens), the dense
+  mask for shorter rows or image spans; the logits agree with the dense masks given
+  explicitly, packed documents included."""
+  config = tiny(num_layers=2, attention_pattern=("local", "global"), sliding_window=300)
+  m = config.model
+  segments = jnp.asarray(np.repeat([[1] * 300 + [2] * 220], 2, axis=0), jnp.int32)
+  masks = decoder.layer_masks(m, segments, blocked=True)
+  assert isinstance(masks["global"], CausalBlocks)
+  assert isinstance(masks["local"], CausalBlocks)        # T <= 2W: no window blocks
+  assert not isinstance(decoder.layer_masks(m, segments[:, :511], blocked=True)["global"],
+                        CausalBlocks)
+  assert not isinstance(decoder.layer_masks(m, segments, segments, blocked=True)["global"],
+                        CausalBlocks)
+  toks = tokens(t=520)
+  params = gj.transform(config).init(jax.random.key(0), toks)
+  module = decoder.Decoder(config.model)
+  positions = jnp.broadcast_to(jnp.arange(520), (2, 520))
   blocked = module.apply({"params": params}, toks, positions, segments)
   dense = module.apply({"params": params}, toks, positions, segments,
                        masks=decoder.layer_masks(config.model, segments))

@@ -5,7 +5,10 @@ K key/value heads, G = N / K queries per key head, H head dim.
 
 A sliding-window layer over a long sequence (T > 2W) takes its mask as `LocalBlocks`:
 its queries go in blocks of W, each attending only to its own and the previous block of
-keys, so the work is T x 2W instead of T x T.
+keys, so the work is T x 2W instead of T x T. Any other causal layer over a long
+sequence takes its mask as `CausalBlocks`: its queries go in blocks, each attending
+only to the keys up to its own last query, so the masked upper triangle is skipped
+(8 blocks: 56% of the T x T work).
 
 Decoding replaces a layer's mask by a cache access (`Prefill` or `Decode`): the layer
 then keeps its keys and values in the "cache" variable collection, a ring of S slots
@@ -96,6 +99,35 @@ def local_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Loca
                               blocks.mask.reshape(b * c, window, 2 * window), logit_softcap,
                               kernel)
   return out.reshape(b, c * window, *q.shape[2:])[:, :t]
+
+
+class CausalBlocks(NamedTuple):
+  """A causal mask [B, T, T] (no query sees a later key) whose queries go in blocks of
+  `causal_block_size(T)`, each attending only to the keys up to its own last query."""
+  mask: jax.Array
+
+
+def causal_block_size(t: int) -> int:
+  """Queries per block of a causal layer over T tokens: 8 blocks, of at least 256
+  (fewer, smaller blocks measured no faster on a CPU at 512 to 8192 tokens)."""
+  return max(256, -(-t // 8))
+
+
+def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: CausalBlocks,
+                           logit_softcap: Optional[float] = None,
+                           kernel: str = "einsum") -> jax.Array:
+  """`dot_product_attention` under a `CausalBlocks` mask: q [B, T, N, H], k, v [B, T, K,
+  H] -> [B, T, N, H]. Each block's softmax runs over its own key prefix: the keys after
+  it are masked anyway, so the result is the dense one (1 x 8192 tokens, one layer on a
+  CPU: forward 1.22 -> 0.61 s, forward and backward 3.01 -> 1.64 s)."""
+  t = q.shape[1]
+  size = causal_block_size(t)
+  return jnp.concatenate([
+      dot_product_attention(q[:, start:start + size], k[:, :start + size],
+                            v[:, :start + size], blocks.mask[:, start:start + size,
+                                                             :start + size],
+                            logit_softcap, kernel)
+      for start in range(0, t, size)], axis=1)
 
 
 def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
@@ -233,7 +265,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: Optional[jax.Array],
-               mask: Union[None, jax.Array, LocalBlocks, Prefill, Decode],
+               mask: Union[None, jax.Array, LocalBlocks, CausalBlocks, Prefill, Decode],
                shared_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
     """x: [B, T, D], positions: [B, T] (may be None without RoPE), mask: [B, T, S=T],
     `LocalBlocks`, a cache access, or None (every token sees every token) -> [B, T, D];
@@ -244,7 +276,8 @@ class Attention(nn.Module):
     if self.use_rope or positions is not None:
       chex.assert_shape(positions, (b, t))
     if mask is not None and not isinstance(mask, (Decode, LocalBlocks)):
-      chex.assert_shape(mask.mask if isinstance(mask, Prefill) else mask, (b, t, t))
+      chex.assert_shape(mask.mask if isinstance(mask, (Prefill, CausalBlocks)) else mask,
+                        (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
@@ -303,6 +336,8 @@ class Attention(nn.Module):
     access's own mask), then the output projection -> [B, T, D]."""
     if isinstance(mask, LocalBlocks):
       out = local_block_attention(q, k, v, mask, self.logit_softcap, self.kernel)
+    elif isinstance(mask, CausalBlocks):
+      out = causal_block_attention(q, k, v, mask, self.logit_softcap, self.kernel)
     else:
       out = dot_product_attention(q, k, v, mask.mask if isinstance(mask, (Prefill, Decode))
                                   else mask, self.logit_softcap, self.kernel)
