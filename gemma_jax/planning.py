@@ -21,6 +21,7 @@ from ml_collections import config_dict
 
 from gemma_jax import decoder, lora, quant, sharding
 from gemma_jax.inference import decoding
+from gemma_jax.layers import attention
 from gemma_jax.transformer import transform
 
 
@@ -64,11 +65,16 @@ def _kept_per_token(m, kind: str, policy: str) -> int:
   return kept[policy]
 
 
-def _keys_per_query(m, kind: str, seq_len: int) -> int:
-  """Logits per query of a layer: 2W for a sliding-window layer run in blocks (T > 2W),
-  else T."""
+def _keys_per_query(m, kind: str, seq_len: int) -> float:
+  """Logits per query of a layer, as `decoder.layer_masks(..., blocked=True)` runs it:
+  W + Q for a sliding-window layer in blocks of Q (T > 2W), the mean key prefix of a
+  causal layer in query blocks (T at least two blocks), else T."""
   if kind == "local" and m.sliding_window and seq_len > 2 * m.sliding_window:
-    return 2 * m.sliding_window
+    return m.sliding_window + attention.local_block_size(m.sliding_window)
+  size = attention.causal_block_size(seq_len)
+  if seq_len >= 2 * size:
+    return sum((end - start) * end for start, end in (
+        (s, min(s + size, seq_len)) for s in range(0, seq_len, size))) / seq_len
   return seq_len
 
 
@@ -85,8 +91,8 @@ def activation_bytes_per_device(config: config_dict.ConfigDict, sizes: dict,
   item = np.dtype(m.dtype).itemsize
   # logits, masked logits, probabilities and their gradient: float32, heads split over
   # "tensor"
-  probs = lambda kind: (4 * micro_rows * m.num_heads * seq_len
-                        * _keys_per_query(m, kind, seq_len) * 4 // sizes["tensor"])
+  probs = lambda kind: int(4 * micro_rows * m.num_heads * seq_len
+                           * _keys_per_query(m, kind, seq_len) * 4) // sizes["tensor"]
   layer = lambda kind, policy: (_kept_per_token(m, kind, policy) * tokens * item
                                 + (probs(kind) if policy == "none" else 0))
   types = decoder.layer_types(m)

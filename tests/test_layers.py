@@ -200,22 +200,29 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
       np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters((23, 5, None), (20, 5, 3.0), (11, 4, None), (40, 8, None))
-  def test_local_blocks_match_float64_window_mask(self, t, window, cap):
-    """Blocked sliding-window attention (T x 2W logits) equals the dense windowed mask,
-    with T a multiple of the window or not, packed segments and a padded tail."""
+  @parameterized.parameters((23, 5, None, None), (20, 5, 3.0, None), (11, 4, None, None),
+                            (40, 8, None, None), (40, 8, None, 8), (37, 8, 3.0, 2))
+  def test_local_blocks_match_float64_window_mask(self, t, window, cap, block):
+    """Blocked sliding-window attention (T x (W + Q) logits, Q queries per block: the
+    default W / 2, or W for an odd window; W, W / 4 given) equals the dense windowed mask,
+    with T a multiple of the block or not, packed segments and a padded tail."""
     keys = jax.random.split(jax.random.key(t), 3)
     q = jax.random.normal(keys[0], (2, t, 4, 8))
     k, v = (jax.random.normal(key, (2, t, 2, 8)) for key in keys[1:])
     segments = np.ones((2, t), np.int32)
     segments[0, t // 3:] = 2
     segments[1, t - 3:] = 0                       # padding is a segment of its own
-    blocks = attention_lib.local_blocks(jnp.asarray(segments), window)
-    chex.assert_shape(blocks.mask, (2, -(-t // window), window, 2 * window))
+    blocks = attention_lib.local_blocks(jnp.asarray(segments), window, block)
+    q_block = block or (window // 2 if window % 2 == 0 else window)
+    chex.assert_shape(blocks.mask, (2, -(-t // q_block), q_block, window + q_block))
     out = self.variant(lambda *a: attention_lib.local_block_attention(*a, cap))(q, k, v, blocks)
     chex.assert_shape(out, (2, t, 4, 8))
     expected = np_attention(q, k, v, np_mask(t, segments, window=window), cap)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+  def test_local_blocks_refuse_a_block_not_dividing_the_window(self):
+    with self.assertRaisesRegex(ValueError, "3 queries do not divide the window 8"):
+      attention_lib.local_blocks(jnp.ones((1, 40), jnp.int32), 8, 3)
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters((512, None), (600, 3.0), (777, None))

@@ -170,7 +170,7 @@ def test_positions_past_the_learned_table_raise_named_errors():
 
 
 def test_long_rows_run_local_layers_in_window_blocks():
-  """Local layers take blocked masks (T x 2W work) once T > 2W, and the dense mask for
+  """Local layers take blocked masks (T x 1.5W work) once T > 2W, and the dense mask for
   shorter rows or image spans; the logits agree with the dense masks given explicitly."""
   config = tiny(num_layers=2, attention_pattern=("local", "global"))
   m = config.model
