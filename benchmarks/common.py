@@ -9,7 +9,6 @@ import json
 import os
 import platform
 import resource
-import threading
 import time
 from typing import Callable, Dict, List, Sequence
 
@@ -53,33 +52,6 @@ def minor_page_faults(fn: Callable[[], object]) -> int:
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   fn()
   return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-
-def peak_resident_growth(fn: Callable[[], object], interval: float = 1e-3) -> int:
-  """Bytes by which this process's resident memory peaked above its level before one
-  fn() (which must block until its work is done), read from /proc every `interval` s.
-
-  Meaningful only where freed memory goes back to the system
-  (GEMMA_JAX_KEEP_FREED_MEMORY=0): a kept arena serves the second caller from pages the
-  first one left resident.
-  """
-  page = os.sysconf("SC_PAGE_SIZE")
-  resident = lambda: int(open("/proc/self/statm").read().split()[1]) * page
-  base, peak, done = resident(), [0], threading.Event()
-
-  def sample():
-    while not done.is_set():
-      peak[0] = max(peak[0], resident())
-      time.sleep(interval)
-
-  sampler = threading.Thread(target=sample)
-  sampler.start()
-  try:
-    fn()
-  finally:
-    done.set()
-    sampler.join()
-  return max(peak[0], resident()) - base
 
 
 def machine() -> dict:

@@ -19,10 +19,7 @@ printed as a check), then times, alternating ours and theirs round by round:
 `jax.jit` of `jax.value_and_grad` over `gj.transform(config).apply` and the
 cross-entropy, with optax's clipped AdamW, no donation, nothing else called.
 
-Peak memory (resident memory above its level before one train step or forward,
-sampled every millisecond) is measured only with GEMMA_JAX_KEEP_FREED_MEMORY=0, where
-freed memory goes back to the system; otherwise the second side would reuse the
-first's pages.
+Peak memory is `benchmarks/peak_memory.py`'s: each side in a process of its own.
 
 Both run in one process, so the host-memory setting `import gemma_jax` makes on a CPU
 (`gemma_jax.host_memory`; GEMMA_JAX_KEEP_FREED_MEMORY=0 turns it off) applies to both:
@@ -84,7 +81,7 @@ _LIBRARY_PATH = flags.DEFINE_bool(
     "library_path", False, "Time a user's own loop (apply under jax.value_and_grad, optax "
     "AdamW, jax.jit) instead of gemma_jax.training's train step.")
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
-                           "benchmarks/results/side_by_side_<backend>.json.")
+                           "benchmarks/results/<script>_<backend>.json.")
 
 
 def model_config(name: str):
@@ -108,16 +105,20 @@ class Ours:
   def __init__(self, config, tokens: np.ndarray, prompts: np.ndarray):
     self.config = config
     self.model = gj.transform(config)
-    schedule = optimizer.learning_rate_schedule(config.optimizer, 1000)
-    tx = optimizer.make_optimizer(config.optimizer, schedule)
-    self.state = steps.init_state(self.model, tx, seed=0, seq_len=tokens.shape[1])
-    self.batch = jax.device_put(data.make_batch(tokens, np.ones_like(tokens)))
     self.tokens = jnp.asarray(tokens)
-    self._train = jax.jit(steps.make_train_step(steps.model_forward(self.model), tx, schedule),
-                          donate_argnums=0)
     self.prompts, self.lengths = jnp.asarray(prompts), jnp.full(prompts.shape[:1],
                                                                  prompts.shape[1], jnp.int32)
     self._decoding = decoding.make_decoding(config)
+    self.setup_training()
+
+  def setup_training(self):
+    schedule = optimizer.learning_rate_schedule(self.config.optimizer, 1000)
+    tx = optimizer.make_optimizer(self.config.optimizer, schedule)
+    self.state = steps.init_state(self.model, tx, seed=0, seq_len=self.tokens.shape[1])
+    tokens = np.asarray(self.tokens)
+    self.batch = jax.device_put(data.make_batch(tokens, np.ones_like(tokens)))
+    self._train = jax.jit(steps.make_train_step(steps.model_forward(self.model), tx, schedule),
+                          donate_argnums=0)
 
   @property
   def params(self):
@@ -127,6 +128,9 @@ class Ours:
   def train_step(self):
     self.state, metrics = self._train(self.state, self.batch)
     return float(metrics["loss"])
+
+  def lowered_train_step(self) -> jax.stages.Lowered:
+    return self._train.lower(self.state, self.batch)
 
   def forward(self):
     return jax.block_until_ready(self.model.apply(self.params, self.tokens))
@@ -143,9 +147,8 @@ class UserLoop(Ours):
   """Ours as a user's own program runs it: the library's `init` and `apply`, optax, and
   `jax.jit`; no train step, no donation, no special calls."""
 
-  def __init__(self, config, tokens: np.ndarray, prompts: np.ndarray):
-    super().__init__(config, tokens, prompts)
-    model, o = self.model, config.optimizer
+  def setup_training(self):
+    model, o = self.model, self.config.optimizer
     self.tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
                           optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
                                       weight_decay=o.weight_decay))
@@ -172,6 +175,9 @@ class UserLoop(Ours):
   def train_step(self):
     self._params, self.opt_state, value = self._step(self._params, self.opt_state, self.tokens)
     return float(value)
+
+  def lowered_train_step(self) -> jax.stages.Lowered:
+    return self._step.lower(self._params, self.opt_state, self.tokens)
 
 
 class Theirs:
@@ -223,8 +229,8 @@ def leading_agreement(a: np.ndarray, b: np.ndarray) -> int:
   return int(np.min(np.where(differs.any(axis=1), differs.argmax(axis=1), a.shape[1])))
 
 
-def run_shape(name: str, memory_kept: bool) -> dict:
-  """The measurements of one shape; peak memory only where freed memory is returned."""
+def run_shape(name: str) -> dict:
+  """The measurements of one shape."""
   config = model_config(name)
   m = config.model
   b, t = _BATCH.value, _SEQ.value
@@ -257,9 +263,6 @@ def run_shape(name: str, memory_kept: bool) -> dict:
         "train_step_s": train[who], "train_tokens_per_s": b * t / train[who],
         "train_mfu": b * t / train[who] * flops_per_token / peak,
         "train_step_minor_page_faults": common.minor_page_faults(calls[who].train_step),
-        **({"train_step_peak_memory_bytes": common.peak_resident_growth(calls[who].train_step),
-            "forward_peak_memory_bytes": common.peak_resident_growth(calls[who].forward)}
-           if not memory_kept else {}),
         "forward_s": forward[who], "forward_tokens_per_s": b * t / forward[who],
         "forward_mfu": b * t / forward[who] * flops_per_token / 3 / peak,
         "greedy_s": greedy[who],
@@ -278,7 +281,7 @@ def main(argv):
   kept = os.environ.get(host_memory.OPT_OUT) != "0" and not host_memory.accelerator_installed()
   results = []
   for name in _SHAPES.value:
-    result = run_shape(name, kept)
+    result = run_shape(name)
     results.append(result)
     if "max_logit_difference" in result:
       print(f"{name}: same weights, max |logit difference| "
@@ -292,20 +295,16 @@ def main(argv):
         x = r[who]
         rows.append([r["shape"], who, x["train_tokens_per_s"], f"{x['train_mfu']:.1%}",
                      x["forward_tokens_per_s"], x["decode_tokens_per_s"],
-                     r["peak_flops"] / 1e9, x["train_step_minor_page_faults"],
-                     *(f"{x[key] / 2**30:.2f}" if key in x else "-" for key in
-                       ("train_step_peak_memory_bytes", "forward_peak_memory_bytes"))])
+                     r["peak_flops"] / 1e9, x["train_step_minor_page_faults"]])
     if "ratio_ours_over_theirs" in r:
       q = r["ratio_ours_over_theirs"]
       rows.append([r["shape"], "ours / theirs", f"{q['train_tokens_per_s']:.2f}x", "",
-                   f"{q['forward_tokens_per_s']:.2f}x", f"{q['decode_tokens_per_s']:.2f}x", "",
-                   "", "", ""])
+                   f"{q['forward_tokens_per_s']:.2f}x", f"{q['decode_tokens_per_s']:.2f}x", "", ""])
   common.print_table(
       f"batch {_BATCH.value} x {_SEQ.value} (train, forward); decode {_DECODE_BATCH.value} x "
       f"({_PROMPT.value} prompt + {_NEW.value} greedy); {_DTYPE.value}",
       ["shape", "who", "train tok/s", "train MFU", "forward tok/s", "decode tok/s",
-       "matmul peak GFLOP/s", "page faults / train step", "train peak GiB",
-       "forward peak GiB"], rows)
+       "matmul peak GFLOP/s", "page faults / train step"], rows)
   common.write_json(common.output_path(_OUT.value, "side_by_side"),
                     {"dtype": _DTYPE.value, "attention_kernel": _KERNEL.value,
                      "remat_policy": _REMAT.value, "keep_freed_host_memory": kept,
