@@ -12,8 +12,8 @@ measurement, it returns the freed memory (`malloc_trim`), resets the kernel's
 high-water mark of resident memory (/proc/self/clear_refs), reads the resident memory,
 makes one call and reads the high-water mark: the difference is what that call needed
 above the model, its optimizer state and the process. Ours also reports what XLA planned
-for the same call (`memory_analysis`: temporaries plus outputs), a check on the
-measured figure.
+for the same call (`memory_analysis`: temporaries plus outputs not written into donated
+inputs), a check on the measured figure.
 
 Linux only (glibc, /proc).
 """
@@ -62,9 +62,11 @@ def peak_growth(fn) -> dict:
 
 
 def xla_planned_bytes(compiled) -> int:
-  """Temporaries plus outputs of a compiled computation, as XLA planned them."""
+  """Temporaries plus outputs of a compiled computation, as XLA planned them, less the
+  outputs written into donated inputs."""
   analysis = compiled.memory_analysis()
-  return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes)
+  return int(analysis.temp_size_in_bytes + analysis.output_size_in_bytes
+             - analysis.alias_size_in_bytes)
 
 
 def measure_side(name: str, side: str) -> dict:
