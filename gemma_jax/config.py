@@ -21,6 +21,7 @@ ATTENTION_TYPES = ("local", "global")
 BLOCK_TYPES = ("gemma3", "gemma4", "gpt3", "parallel")
 MOE_DISPATCHES = ("auto", "ragged", "loop", "gather", "dense")
 ATTENTION_KERNELS = ("einsum", "jax")
+SCAN_UNROLLS = ("auto", "full", "none")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANT_MODES = ("none", "int8", "int8_weights", "int4_weights", "fp8")
 DATA_FORMATS = ("auto", "text", "chat")
@@ -159,6 +160,11 @@ def model_config() -> config_dict.ConfigDict:
   c.dtype = "float32"                     # compute dtype (softmax, norms, logits: float32)
   c.param_dtype = "float32"               # parameter storage dtype
   c.scan_layers = True                    # nn.scan over pattern blocks
+  # SCAN_UNROLLS, how the scan runs: "full" repeats its body in the program (no loop, so
+  # no stacked per-block activations: faster and smaller without remat; the program grows
+  # with depth), "none" loops (remat saves memory only in the loop); "auto": "full"
+  # without remat, else "none".
+  c.scan_unroll = "auto"
   c.remat_policy = "none"                 # name from gemma_jax.remat.POLICIES (text and vision)
   # Quantization of the projections (gemma_jax.quant), QUANT_MODES: "none"; "int8" and
   # "fp8" (GPU/TPU): weights and activations rounded, gradients straight through (training);
@@ -364,6 +370,8 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
        f"must be even for RoPE, got {m.head_dim}")
   need(_finite(m.dropout_rate) and 0.0 <= m.dropout_rate < 1.0, "dropout_rate",
        f"must lie in [0, 1), got {m.dropout_rate!r}")
+  need(m.scan_unroll in SCAN_UNROLLS, "scan_unroll",
+       f"unknown scan unroll {m.scan_unroll!r}; known: {SCAN_UNROLLS}")
   need(m.remat_policy in remat.POLICIES, "remat_policy",
        f"unknown remat policy {m.remat_policy!r}; known: {tuple(remat.POLICIES)}")
   _validate_attention_options(m, need)

@@ -3,8 +3,9 @@
 The attention pattern (e.g. 5 local, 1 global) repeats every `len(pattern)` layers
 (`final_layer_global` makes the last layer global whatever the pattern says); one
 period is a `Block`. With `scan_layers` runs of whole periods (`scan_segments`) run
-under `nn.scan` (parameters stacked on a leading "layers" axis, compile time independent
-of depth): "blocks", the leading periods whose layers all have the pattern's types,
+under `nn.scan` (parameters stacked on a leading "layers" axis; rolled into a loop, the
+program does not grow with depth, unrolled by `scan_unroll` it skips the loop's stacked
+activations): "blocks", the leading periods whose layers all have the pattern's types,
 and, in a model with shared key/value layers (Gemma 4's small ones), "shared_blocks",
 the whole periods among those. The other layers run unscanned. Without it every layer
 is unrolled. Parameter names:
@@ -116,6 +117,13 @@ def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
     if blocked and spans is None and t >= 2 * causal_block_size(t):
       masks[kind] = CausalBlocks(masks[kind])
   return masks
+
+
+def scan_unrolled(config: config_dict.ConfigDict) -> bool:
+  """Whether the scanned segments run unrolled (`scan_unroll`, "auto": without remat)."""
+  if config.scan_unroll == "auto":
+    return not remat.is_remat(config.remat_policy)
+  return config.scan_unroll == "full"
 
 
 def _with_remat(module_cls, config, prevent_cse):
@@ -245,12 +253,14 @@ class Decoder(nn.Module):
         if per_layer is not None:   # [B, T, L, P] -> [count, period, B, T, P]
           blocks_per_layer = per_layer[:, :, i:i + s.count * period].reshape(
               *per_layer.shape[:2], s.count, period, -1).transpose(2, 3, 0, 1, 4)
-        blocks = nn.scan(
-            _with_remat(Block, c, prevent_cse=False),
+        unrolled = scan_unrolled(c)
+        blocks = nn.scan(   # remat may skip its CSE barrier only inside a loop
+            _with_remat(Block, c, prevent_cse=unrolled),
             variable_axes={"params": 0, "intermediates": 0, "cache": 0},
             split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast),
             length=s.count,
+            unroll=0 if unrolled else 1,   # 0: every step, even of a length-1 scan
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(c, self.deterministic, s.kv_sharing, name=s.name)
         x, _ = blocks(x, positions, masks, blocks_per_layer, shared or None)

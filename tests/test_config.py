@@ -44,6 +44,7 @@ INVALID = [
     ("block_type", "llama", "model.block_type", "unknown block type"),
     ("activation", "swish3", "model.activation", "unknown activation"),
     ("remat_policy", "most", "model.remat_policy", "unknown remat policy"),
+    ("scan_unroll", "partial", "model.scan_unroll", "unknown scan unroll"),
     ("dtype", "float8", "model.dtype", "unknown dtype"),
     ("param_dtype", "int8", "model.param_dtype", "unknown dtype"),
     ("rope_global_fraction", 0.0, "model.rope_global_fraction", r"\(0, 1\]"),

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from absl.testing import parameterized
 
 import gemma_jax as gj
 from gemma_jax import decoder, remat
@@ -71,10 +72,12 @@ class TransformTest(chex.TestCase):
         assert leaf.names[0] == "layers", path
 
 
-class ScanTest(chex.TestCase):
+class ScanTest(parameterized.TestCase):
 
-  def test_scanned_equals_unrolled_logits_and_grads(self):
-    scanned, unrolled = tiny(num_layers=13), tiny(num_layers=13, scan_layers=False)
+  @parameterized.parameters("full", "none")
+  def test_scanned_equals_unrolled_logits_and_grads(self, scan_unroll):
+    scanned = tiny(num_layers=13, scan_unroll=scan_unroll)
+    unrolled = tiny(num_layers=13, scan_layers=False)
     toks = tokens()
     params = gj.transform(scanned).init(jax.random.key(0), toks)
     flat = decoder.unstack_layers(params, scanned.model)
@@ -85,6 +88,19 @@ class ScanTest(chex.TestCase):
     g_scan = decoder.unstack_layers(jax.grad(loss_fn(m_scan, toks))(params), scanned.model)
     g_unroll = jax.grad(loss_fn(m_unroll, toks))(flat)
     chex.assert_trees_all_close(g_scan, g_unroll, rtol=1e-4, atol=1e-4)
+
+  @parameterized.parameters((13, "auto", "none", False), (13, "auto", "full", True),
+                            (13, "full", "full", False), (13, "none", "none", True),
+                            (6, "auto", "none", False), (6, "none", "none", True))
+  def test_scan_unroll_decides_the_loop(self, layers, scan_unroll, policy, loops):
+    """Only a rolled scan lowers to a while loop, even of one block (6 layers); "auto"
+    rolls it exactly under remat."""
+    config = tiny(num_layers=layers, scan_unroll=scan_unroll, remat_policy=policy)
+    self.assertEqual(decoder.scan_unrolled(config.model), not loops)
+    model, toks = gj.transform(config), tokens()
+    params = model.init(jax.random.key(0), toks)
+    hlo = jax.jit(jax.grad(loss_fn(model, toks))).lower(params).as_text()
+    self.assertEqual("stablehlo.while" in hlo, loops)
 
   def test_stack_inverts_unstack(self):
     config = tiny(num_layers=13)
@@ -103,9 +119,10 @@ def remat_reference():
 
 
 @pytest.mark.parametrize("policy", sorted(p for p in remat.POLICIES if p != "none"))
-def test_remat_policy_keeps_loss_and_grads(policy, remat_reference):
+@pytest.mark.parametrize("scan_unroll", ["auto", "full"])
+def test_remat_policy_keeps_loss_and_grads(policy, scan_unroll, remat_reference):
   toks, params, (loss, grads) = remat_reference
-  model = gj.transform(tiny(num_layers=7, remat_policy=policy))
+  model = gj.transform(tiny(num_layers=7, remat_policy=policy, scan_unroll=scan_unroll))
   remat_loss, remat_grads = jax.jit(jax.value_and_grad(loss_fn(model, toks)))(params)
   np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
   chex.assert_trees_all_close(remat_grads, grads, rtol=1e-4, atol=1e-5)

@@ -19,7 +19,7 @@ from gemma_jax.config import ConfigError
 from gemma_jax.training import checkpoints, optimizer, steps
 
 # Model fields that change how the model is computed, not what it computes.
-COMPUTE_FIELDS = ("name", "dtype", "param_dtype", "scan_layers", "remat_policy",
+COMPUTE_FIELDS = ("name", "dtype", "param_dtype", "scan_layers", "scan_unroll", "remat_policy",
                   "attention_kernel", "moe_dispatch", "dropout_rate",
                   "record_internal_nn_metrics", "cast_logits_to_float32",
                   "load_balance_loss_weight", "router_z_loss_weight", "quant",
