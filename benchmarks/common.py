@@ -32,11 +32,16 @@ def median_seconds(fn: Callable[[], object], *, min_runs: int = 3,
   return float(np.median(times))
 
 
-def alternating_medians(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, float]:
+def alternating_medians(fns: Dict[str, Callable[[], object]], rounds: int,
+                        max_warmup_rounds: int = 8) -> Dict[str, float]:
   """Median seconds of each fn over `rounds` rounds that run every fn once in turn, so
-  that a slow phase of the machine falls on all of them alike; one warm-up call each."""
-  for fn in fns.values():
-    fn()
+  that a slow phase of the machine falls on all of them alike. Warm-up rounds first, until
+  a round in which no fn faults in more than 1000 pages (or `max_warmup_rounds`): the
+  host heap grows over a CPU train step's first calls (docs/architecture.md), and the
+  steady state is what a long loop sees."""
+  for _ in range(max_warmup_rounds):
+    if max(minor_page_faults(fn) for fn in list(fns.values())) <= 1000:
+      break
   times = {name: [] for name in fns}
   for _ in range(rounds):
     for name, fn in fns.items():
