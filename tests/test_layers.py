@@ -79,6 +79,23 @@ class RMSNormTest(chex.TestCase):
     np.testing.assert_allclose(y, np_rms_norm(x, np.asarray(scale), 1e-6), rtol=1e-5, atol=1e-6)
 
   @chex.variants(with_jit=True, without_jit=True)
+  def test_gradients_match_float64_for_one_row(self):
+    # A batch of one row is the shape whose scale gradient is reduced over a [T, D] view.
+    x = jax.random.normal(jax.random.key(0), (1, 7, 16)) * 3
+    scale = jax.random.normal(jax.random.key(2), (16,))
+    cotangent = jax.random.normal(jax.random.key(3), (1, 7, 16))
+    loss = lambda scale, x: jnp.sum(
+        RMSNorm(eps=1e-6).apply({"params": {"scale": scale}}, x) * cotangent)
+    d_scale, d_x = self.variant(jax.grad(loss, argnums=(0, 1)))(scale, x)
+    x64, c64, s64 = (np.asarray(a, np.float64) for a in (x, cotangent, scale))
+    rms = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6)
+    np.testing.assert_allclose(d_scale, np.sum(x64 / rms * c64, axis=(0, 1)), rtol=1e-5,
+                               atol=1e-5)
+    g = c64 * (1 + s64)   # d loss / d (x / rms)
+    expected_dx = g / rms - x64 * np.sum(g * x64, -1, keepdims=True) / (16 * rms ** 3)
+    np.testing.assert_allclose(d_x, expected_dx, rtol=1e-4, atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
   def test_without_scale_has_no_params_and_keeps_dtype(self):
     x = jax.random.normal(jax.random.key(0), (3, 8)).astype(jnp.bfloat16)
     norm = RMSNorm(with_scale=False)

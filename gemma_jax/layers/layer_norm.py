@@ -5,6 +5,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from gemma_jax.layers.norms import scale_features
+
 
 class LayerNorm(nn.Module):
   """Normalises the last axis and casts back to the input dtype.
@@ -30,4 +32,4 @@ class LayerNorm(nn.Module):
     param = lambda name: self.param(
         name, nn.with_logical_partitioning(nn.initializers.zeros_init(), (self.axis_name,)),
         (x.shape[-1],), self.param_dtype).astype(y.dtype)
-    return (y * (1 + param("scale")) + param("bias")).astype(x.dtype)
+    return scale_features(y, 1 + param("scale"), param("bias")).astype(x.dtype)

@@ -47,13 +47,12 @@ class Linear(nn.Module):
     rows = x.shape[:x.ndim - self.in_dims]
     y = self.product(x.reshape(math.prod(rows), math.prod(in_shape)).astype(self.dtype),
                      kernel.reshape(math.prod(in_shape), math.prod(out_shape)).astype(self.dtype))
-    y = y.reshape(rows + out_shape)
-    if self.use_bias:
+    if self.use_bias:   # added to the [rows, out] view: see `norms.scale_features`
       bias = self.param("bias", nn.with_logical_partitioning(
           nn.initializers.zeros_init(), tuple(self.axes[self.in_dims:])), out_shape,
                         self.param_dtype)
-      y = y + bias.astype(self.dtype)
-    return y
+      y = y + bias.astype(self.dtype).reshape(-1)
+    return y.reshape(rows + out_shape)
 
   def kernel(self, in_shape: Sequence[int]) -> jax.Array:
     """The kernel [*in_shape, *out_shape] (a hook: quantization stores it otherwise)."""
