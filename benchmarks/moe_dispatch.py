@@ -7,7 +7,7 @@ For each expert count: the forward, and the forward + backward (gradients of x a
 every weight), of each dispatch on the same routing, plus "routed": the same matmuls on
 the M * k routed rows with one expert's weights and no routing at all (the work a
 perfect grouped matmul would do). The loop dispatch is also timed with other row
-blocks: "32" one tier, "256+32" two (`grouped_matmul.BLOCK_ROWS` is the default).
+blocks: "32" one tier, "128+32" two (`grouped_matmul.BLOCK_ROWS` is the default).
 Times are medians in ms.
 """
 

@@ -18,7 +18,7 @@ from typing import Iterator, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-BLOCK_ROWS = (256, 32)   # row tiers, largest first; benchmarks/moe_dispatch.py times choices
+BLOCK_ROWS = (128, 32)   # row tiers, largest first; benchmarks/moe_dispatch.py times choices
 
 
 def _tiers(size: jax.Array, blocks: Sequence[int],
