@@ -31,8 +31,8 @@ from ml_collections import config_dict
 
 from gemma_jax import remat
 from gemma_jax.config import kv_sharing_modes, layer_types
-from gemma_jax.layers.attention import (CausalBlocks, attention_mask, causal_block_size,
-                                        local_blocks, softcap)
+from gemma_jax.layers.attention import (CausalBlocks, CausalMask, attention_mask,
+                                        causal_block_size, local_blocks, softcap)
 from gemma_jax.layers.embed import Embed, sinusoidal
 from gemma_jax.layers.linear import Linear, unfused
 from gemma_jax.layers.per_layer_inputs import PerLayerInputs
@@ -100,21 +100,27 @@ def scanned_layers(config: config_dict.ConfigDict) -> dict:
 def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
                 span_ids: Optional[jax.Array] = None, blocked: bool = False) -> dict:
   """{attention type: [B, T, T] mask} for the types present; spans are bidirectional
-  only in `bidirectional_span_types`. With `blocked`, where there are no spans, a local
-  layer's mask is `attention.LocalBlocks` once T > 2 x window, and any other's is
-  `attention.CausalBlocks` once T holds two causal blocks: both skip masked work."""
+  only in `bidirectional_span_types`. With `blocked`, where there are no spans, a layer
+  that skips masked work gets its mask in the form its kernel skips it in: for a fused
+  kernel ("jax"), `attention.CausalMask`; for "einsum", a local layer's is
+  `attention.LocalBlocks` once T > 2 x window, and any other's `attention.CausalBlocks`
+  once T holds two causal blocks."""
   t = segment_ids.shape[1]
   index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
+  fused = config.attention_kernel == "jax"
   masks = {}
   for kind in sorted(set(layer_types(config))):
     spans = span_ids if kind in config.bidirectional_span_types else None
-    if blocked and spans is None and kind == "local" and t > 2 * config.sliding_window:
+    window = config.sliding_window if kind == "local" else None
+    if (blocked and not fused and spans is None and kind == "local"
+        and t > 2 * config.sliding_window):
       masks[kind] = local_blocks(segment_ids, config.sliding_window)
       continue
     masks[kind] = attention_mask(index, index, segment_ids, segment_ids, q_spans=spans,
-                                 kv_spans=spans,
-                                 window=config.sliding_window if kind == "local" else None)
-    if blocked and spans is None and t >= 2 * causal_block_size(t):
+                                 kv_spans=spans, window=window)
+    if blocked and spans is None and fused:
+      masks[kind] = CausalMask(masks[kind], window)
+    elif blocked and spans is None and t >= 2 * causal_block_size(t):
       masks[kind] = CausalBlocks(masks[kind])
   return masks
 
@@ -195,7 +201,8 @@ class Decoder(nn.Module):
       tokens replace its image placeholders in order; images past its last span are
       padding.
 
-    masks: {attention type: [B, T, S] mask, `attention.LocalBlocks` or `CausalBlocks`,
+    masks: {attention type: [B, T, S] mask, `attention.LocalBlocks`, `CausalBlocks` or
+      `CausalMask`,
       or an `attention.Prefill` / `Decode` cache access} replacing the masks built from
       segment_ids and span_ids (decoding; the layers' caches are then the "cache"
       collection, see `gemma_jax.inference.decoding`).

@@ -12,7 +12,7 @@ from absl.testing import parameterized
 
 import gemma_jax as gj
 from gemma_jax import decoder, remat
-from gemma_jax.layers.attention import CausalBlocks, LocalBlocks
+from gemma_jax.layers.attention import CausalBlocks, CausalMask, LocalBlocks
 from gemma_jax.transformer import positions_from_segments
 
 
@@ -197,6 +197,24 @@ def test_long_rows_run_local_layers_in_window_blocks():
                         LocalBlocks)
   assert not isinstance(decoder.layer_masks(m, segments, segments, blocked=True)["local"],
                         LocalBlocks)
+  assert_blocked_logits_match_dense(config, tokens(), segments)
+
+
+def test_fused_kernel_takes_causal_masks_with_their_structure():
+  """With attention_kernel="jax", causal layers of long rows take `CausalMask`: the dense
+  mask with the window (local layers) or none (global); image spans keep the plain mask.
+  The logits agree with the dense masks given explicitly, packed documents included."""
+  config = tiny(num_layers=2, attention_pattern=("local", "global"), attention_kernel="jax")
+  m = config.model
+  segments = jnp.asarray([[1] * 6 + [2] * 5, [1] * 11])
+  masks = decoder.layer_masks(m, segments, blocked=True)
+  dense = decoder.layer_masks(m, segments)
+  assert isinstance(masks["local"], CausalMask) and masks["local"].window == m.sliding_window
+  assert isinstance(masks["global"], CausalMask) and masks["global"].window is None
+  for kind in ("local", "global"):
+    np.testing.assert_array_equal(masks[kind].mask, dense[kind])
+  assert not isinstance(decoder.layer_masks(m, segments, segments, blocked=True)["local"],
+                        CausalMask)
   assert_blocked_logits_match_dense(config, tokens(), segments)
 
 

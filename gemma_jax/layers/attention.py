@@ -8,7 +8,10 @@ its queries go in blocks of Q = W / 2, each attending only to the W + Q keys end
 its last query, so the work is T x 1.5W instead of T x T. Any other causal layer over a long
 sequence takes its mask as `CausalBlocks`: its queries go in blocks, each attending
 only to the keys up to its own last query, so the masked upper triangle is skipped
-(8 blocks: 56% of the T x T work).
+(8 blocks: 56% of the T x T work). Both suit our "einsum" kernel. The fused kernel
+("jax", cuDNN's on a GPU) takes a causal layer's mask as `CausalMask` instead: the whole
+[B, T, T] mask with its structure (causal, and the window), from which it skips the
+masked tiles itself.
 
 Decoding replaces a layer's mask by a cache access (`Prefill` or `Decode`): the layer
 then keeps its keys and values in the "cache" variable collection, a ring of S slots
@@ -21,6 +24,7 @@ import functools
 from typing import NamedTuple, Optional, Tuple, Union
 
 import chex
+from flax import struct
 import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
@@ -114,6 +118,15 @@ def local_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Loca
   return out.reshape(b, c * block, *q.shape[2:])[:, :t]
 
 
+@struct.dataclass
+class CausalMask:
+  """A causal mask [B, T, T] given with its structure, for the fused kernel: no query
+  sees a later key, nor (window set) a key `window` or more positions before it. `mask`
+  holds the rest (the documents of packed rows) and agrees with that structure."""
+  mask: jax.Array
+  window: Optional[int] = struct.field(pytree_node=False, default=None)
+
+
 class CausalBlocks(NamedTuple):
   """A causal mask [B, T, T] (no query sees a later key) whose queries go in blocks of
   `causal_block_size(T)`, each attending only to the keys up to its own last query."""
@@ -150,19 +163,25 @@ def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           mask: Optional[jax.Array], logit_softcap: Optional[float] = None,
-                          kernel: str = "einsum") -> jax.Array:
+                          kernel: str = "einsum", *, causal: bool = False,
+                          window: Optional[int] = None) -> jax.Array:
   """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] or None (every
   query sees every key) -> [B, T, N, H].
 
   kernel "einsum": logits and softmax in float32, probabilities cast back to the compute
-  dtype (`grouped_attention`). "jax": `jax.nn.dot_product_attention`, cuDNN's fused
-  kernel on a GPU in bfloat16 or float16, XLA's otherwise (no soft cap).
+  dtype (`grouped_attention`). "jax": `jax.nn.dot_product_attention`, no soft cap; given
+  the mask's structure (S = T; `causal`, and a `window` as in `attention_mask`), cuDNN's
+  fused kernel on a GPU in bfloat16 or float16, which skips the tiles it masks; XLA's
+  otherwise.
   """
   if kernel == "jax":
     chex.assert_equal(logit_softcap, None)
-    fused = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-    return jax.nn.dot_product_attention(q, k, v, mask=None if mask is None else mask[:, None],
-                                        scale=1.0, implementation="cudnn" if fused else None)
+    cudnn = (jax.default_backend() == "gpu" and causal
+             and q.dtype in (jnp.bfloat16, jnp.float16))
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=None if mask is None else mask[:, None], scale=1.0, is_causal=causal,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation="cudnn" if cudnn else None)
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
   # Heads lead (small copies of queries, keys and values), so that every matmul of the
@@ -278,19 +297,20 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: Optional[jax.Array],
-               mask: Union[None, jax.Array, LocalBlocks, CausalBlocks, Prefill, Decode],
+               mask: Union[None, jax.Array, LocalBlocks, CausalBlocks, CausalMask, Prefill,
+                           Decode],
                shared_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
     """x: [B, T, D], positions: [B, T] (may be None without RoPE), mask: [B, T, S=T],
-    `LocalBlocks`, a cache access, or None (every token sees every token) -> [B, T, D];
-    with kv_sharing "store", (that, (keys, values) [B, S, K, H]). shared_kv: the keys and
+    `LocalBlocks`, `CausalBlocks`, `CausalMask`, a cache access, or None (every token
+    sees every token) -> [B, T, D]; with kv_sharing "store", (that, (keys, values)
+    [B, S, K, H]). shared_kv: the keys and
     values of a "store" layer under the same mask (kv_sharing "reuse")."""
     b, t, d = x.shape
     n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
     if self.use_rope or positions is not None:
       chex.assert_shape(positions, (b, t))
     if mask is not None and not isinstance(mask, (Decode, LocalBlocks)):
-      chex.assert_shape(mask.mask if isinstance(mask, (Prefill, CausalBlocks)) else mask,
-                        (b, t, t))
+      chex.assert_shape(mask if isinstance(mask, jax.Array) else mask.mask, (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
@@ -351,6 +371,9 @@ class Attention(nn.Module):
       out = local_block_attention(q, k, v, mask, self.logit_softcap, self.kernel)
     elif isinstance(mask, CausalBlocks):
       out = causal_block_attention(q, k, v, mask, self.logit_softcap, self.kernel)
+    elif isinstance(mask, CausalMask):
+      out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap, self.kernel,
+                                  causal=True, window=mask.window)
     else:
       out = dot_product_attention(q, k, v, mask.mask if isinstance(mask, (Prefill, Decode))
                                   else mask, self.logit_softcap, self.kernel)
