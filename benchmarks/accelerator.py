@@ -1,0 +1,204 @@
+r"""A real preset on an accelerator: train-step MFU per attention kernel, forward, decoding.
+
+    python benchmarks/accelerator.py                      # gemma3-1b, bfloat16, 4 x 2048
+    python benchmarks/accelerator.py --kernels=jax --decode_batch_sizes=1,8,64
+
+For each attention kernel (`config.model.attention_kernel`) it times what a user's own
+loop does: a `jax.jit` of `jax.value_and_grad` over `gj.transform(config).apply` and the
+cross-entropy, optax's clipped AdamW, params and optimizer state donated; and the
+forward pass alone. A kernel that fails (e.g. cuDNN refusing a shape) is reported with
+its error and the others still run. Weights are float32, compute in `--dtype`. The first kernel's logits
+are the reference for the others' (max difference printed, with the first step's loss).
+
+Decoding: greedy, cached (`sampler.generate`, one jitted while loop), weights cast to
+`--dtype` as a server holds them, `--prompt_len` prompt tokens then `--new_tokens`, at
+each of `--decode_batch_sizes`; tokens/s counts the new tokens of all rows.
+
+MFU = tokens/s x model FLOPs per token (`gemma_jax.training.flops`: 6 per matmul
+parameter, attention over the keys each query may see) / the device's peak: the datasheet's
+dense bfloat16 rate where the device is known (H100 and H200: 989 TFLOP/s), and, as a
+second column, an 8192 x 8192 matmul timed here.
+"""
+
+import functools
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import common
+import gemma_jax as gj
+from gemma_jax.inference import decoding, sampler
+from gemma_jax.training import flops
+
+_PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name.")
+_BATCH = flags.DEFINE_integer("batch_size", 4, "Rows of the train and forward batches.")
+_SEQ = flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
+_REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
+_UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll: 'none' "
+                              "keeps the layer loop rolled (26 layers compile in far less time).")
+_KERNELS = flags.DEFINE_list("kernels", ["einsum", "jax"], "Attention kernels.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Timed train steps (after one warm-up).")
+_DECODE = flags.DEFINE_list("decode_batch_sizes", ["1", "64"], "Decoded prompts per call.")
+_PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
+_NEW = flags.DEFINE_integer("new_tokens", 128, "Greedy tokens decoded after the prompt.")
+_OUT = flags.DEFINE_string("out", None, "JSON output; default "
+                           "benchmarks/results/accelerator_<backend>.json.")
+
+# Dense bfloat16 FLOP/s by the vendor's datasheet (SXM parts).
+DATASHEET_PEAK = {"H100": 989e12, "H200": 989e12}
+
+
+def datasheet_peak() -> float:
+  kind = jax.devices()[0].device_kind
+  return next((v for k, v in DATASHEET_PEAK.items() if k in kind), float("nan"))
+
+
+def model_config(kernel: str):
+  config = gj.get_config(_PRESET.value)
+  config.model.dtype = _DTYPE.value
+  config.model.remat_policy = _REMAT.value
+  config.model.scan_unroll = _UNROLL.value
+  config.model.attention_kernel = kernel
+  return config
+
+
+def timed(fn, runs: int) -> float:
+  """Median seconds of fn() (blocking) over `runs` calls after one warm-up."""
+  fn()
+  times = []
+  for _ in range(runs):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return float(np.median(times))
+
+
+def train_and_forward(kernel: str, tokens: jax.Array) -> dict:
+  """The user loop's step and the forward pass of one kernel."""
+  config = model_config(kernel)
+  model, o = gj.transform(config), config.optimizer
+  tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
+                   optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
+                               weight_decay=o.weight_decay))
+  params = model.init(jax.random.key(0), tokens)
+  opt_state = tx.init(params)
+
+  def loss(params, tokens):
+    logits = model.apply(params, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
+                                                           tokens[:, 1:]).mean()
+
+  @jax.jit
+  def forward(params, tokens):
+    return model.apply(params, tokens)
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, opt_state, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  logits = np.asarray(forward(params, tokens)[0, :64].astype(jnp.float32))
+  start = time.perf_counter()
+  compiled = step.lower(params, opt_state, tokens).compile()
+  compile_s = time.perf_counter() - start
+  first_loss = None
+  state = [params, opt_state]
+
+  def run_step():
+    nonlocal first_loss
+    state[0], state[1], value = compiled(state[0], state[1], tokens)
+    value = float(value)
+    first_loss = value if first_loss is None else first_loss
+
+  step_s = timed(run_step, _STEPS.value)
+  params = state[0]
+  forward_s = timed(lambda: jax.block_until_ready(forward(params, tokens)), _STEPS.value)
+  return {"kernel": kernel, "first_loss": first_loss, "logits": logits,
+          "compile_s": compile_s, "train_step_s": step_s, "forward_s": forward_s}
+
+
+def decode(batch_size: int, params) -> dict:
+  config = model_config("einsum")
+  tokens = np.random.default_rng(1).integers(3, config.model.vocab_size,
+                                             (batch_size, _PROMPT.value)).astype(np.int32)
+  dec = decoding.make_decoding(config)
+  run = lambda: np.asarray(sampler.generate(
+      dec, params, jnp.asarray(tokens), jnp.full((batch_size,), _PROMPT.value, jnp.int32),
+      jax.random.key(0), jnp.zeros((0,), jnp.int32), max_new_tokens=_NEW.value,
+      temperature=0.0, cache_length=_PROMPT.value + _NEW.value,
+      cache_dtype=decoding.default_cache_dtype(config)))
+  seconds = timed(run, 3)
+  return {"batch_size": batch_size, "seconds": seconds,
+          "tokens_per_s": batch_size * _NEW.value / seconds}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  b, t = _BATCH.value, _SEQ.value
+  m = model_config("einsum").model
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, m.vocab_size, (b, t)), jnp.int32)
+  flops_per_token = flops.training_flops_per_token(m, t)
+  matmul, matmul_flop = flops.square_matmul(8192 if jax.default_backend() != "cpu" else 1024,
+                                            _DTYPE.value)
+  measured_peak = matmul_flop / timed(matmul, 10)
+  peak = datasheet_peak()
+  print(f"{jax.devices()[0].device_kind}: {_PRESET.value}, {flops_per_token / 1e9:.2f} "
+        f"GFLOP per trained token; matmul {measured_peak / 1e12:.0f} TFLOP/s", flush=True)
+
+  results, rows, reference = [], [], None
+  for kernel in _KERNELS.value:
+    try:
+      r = train_and_forward(kernel, tokens)
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"{kernel}: failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+      results.append({"kernel": kernel, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+      continue
+    logits = r.pop("logits")
+    reference = logits if reference is None else reference
+    r["max_logit_difference_vs_first"] = float(np.abs(logits - reference).max())
+    r["train_tokens_per_s"] = b * t / r["train_step_s"]
+    r["train_mfu"] = r["train_tokens_per_s"] * flops_per_token / peak
+    r["train_mfu_of_matmul"] = r["train_tokens_per_s"] * flops_per_token / measured_peak
+    r["forward_tokens_per_s"] = b * t / r["forward_s"]
+    results.append(r)
+    rows.append([kernel, r["train_step_s"] * 1e3, r["train_tokens_per_s"],
+                 f"{r['train_mfu']:.1%}", f"{r['train_mfu_of_matmul']:.1%}",
+                 r["forward_tokens_per_s"], r["compile_s"], r["first_loss"],
+                 r["max_logit_difference_vs_first"]])
+    print(rows[-1], flush=True)
+
+  config = model_config("einsum")
+  params = gj.transform(config).init(jax.random.key(0), tokens[:1, :8])
+  params = jax.tree.map(lambda p: p.astype(_DTYPE.value), params)
+  decodes = [decode(int(size), params) for size in _DECODE.value]
+
+  device = jax.devices()[0].device_kind
+  common.print_table(
+      f"{device}, {_PRESET.value} in {_DTYPE.value}, train and forward {b} x {t} tokens "
+      f"(user loop: apply + optax AdamW under jax.jit), remat {_REMAT.value}",
+      ["attention kernel", "step ms", "train tok/s", "MFU (datasheet)", "MFU (matmul)",
+       "forward tok/s", "compile s", "first loss", "max logit diff"], rows)
+  common.print_table(
+      f"{device}, {_PRESET.value} greedy decoding, {_PROMPT.value} prompt + {_NEW.value} new "
+      f"tokens, weights in {_DTYPE.value}",
+      ["batch", "seconds", "new tokens/s"],
+      [[d["batch_size"], d["seconds"], d["tokens_per_s"]] for d in decodes])
+  common.write_json(common.output_path(_OUT.value, "accelerator"),
+                    {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
+                     "seq_len": t, "remat_policy": _REMAT.value,
+                     "scan_unroll": _UNROLL.value,
+                     "flops_per_token": flops_per_token, "datasheet_peak": peak,
+                     "measured_matmul_flops": measured_peak, "train": results,
+                     "decode": decodes})
+
+
+if __name__ == "__main__":
+  app.run(main)
