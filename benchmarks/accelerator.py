@@ -20,7 +20,6 @@ dense bfloat16 rate where the device is known (H100 and H200: 989 TFLOP/s), and,
 second column, an 8192 x 8192 matmul timed here.
 """
 
-import functools
 import time
 
 from absl import app
@@ -28,7 +27,6 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import common
 import gemma_jax as gj
@@ -82,27 +80,12 @@ def timed(fn, runs: int) -> float:
 def train_and_forward(kernel: str, tokens: jax.Array) -> dict:
   """The user loop's step and the forward pass of one kernel."""
   config = model_config(kernel)
-  model, o = gj.transform(config), config.optimizer
-  tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
-                   optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
-                               weight_decay=o.weight_decay))
-  params = model.init(jax.random.key(0), tokens)
-  opt_state = tx.init(params)
-
-  def loss(params, tokens):
-    logits = model.apply(params, tokens)
-    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
-                                                           tokens[:, 1:]).mean()
+  model = gj.transform(config)
+  step, params, opt_state = common.user_train_step(config, tokens)
 
   @jax.jit
   def forward(params, tokens):
     return model.apply(params, tokens)
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, opt_state, tokens):
-    value, grads = jax.value_and_grad(loss)(params, tokens)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, value
 
   logits = np.asarray(forward(params, tokens)[0, :64].astype(jnp.float32))
   start = time.perf_counter()

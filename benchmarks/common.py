@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, Sequence
 
 import jax
 import numpy as np
+import optax
 
 import gemma_jax as gj
 from gemma_jax.training import optimizer, steps
@@ -106,3 +107,27 @@ def abstract_train_step(config, batch_size: int, seq_len: int):
   step = jax.jit(steps.make_train_step(steps.model_forward(model), tx, schedule),
                  donate_argnums=0)
   return step, state, batch
+
+
+def user_train_step(config, tokens: jax.Array):
+  """What a user's own loop compiles: (a jitted step(params, opt_state, tokens) ->
+  (params, opt_state, loss) with params and optimizer state donated, params, opt_state).
+  The step is `jax.value_and_grad` over `gj.transform(config).apply` and optax's
+  cross-entropy, then optax's clipped AdamW; nothing else of ours."""
+  model, o = gj.transform(config), config.optimizer
+  tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
+                   optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
+                               weight_decay=o.weight_decay))
+  params = model.init(jax.random.key(0), tokens)
+
+  def loss(params, tokens):
+    logits = model.apply(params, tokens)
+    return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
+                                                           tokens[:, 1:]).mean()
+
+  def step(params, opt_state, tokens):
+    value, grads = jax.value_and_grad(loss)(params, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, value
+
+  return jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params)

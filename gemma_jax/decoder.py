@@ -97,17 +97,24 @@ def scanned_layers(config: config_dict.ConfigDict) -> dict:
           for b in range(s.count) for j in range(period)}
 
 
+def fused_attention(config: config_dict.ConfigDict) -> bool:
+  """Whether attention runs as cuDNN's fused kernel, which skips masked tiles itself:
+  the "jax" kernel on a GPU (elsewhere XLA's implementation computes every logit)."""
+  return config.attention_kernel == "jax" and jax.default_backend() == "gpu"
+
+
 def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
-                span_ids: Optional[jax.Array] = None, blocked: bool = False) -> dict:
+                span_ids: Optional[jax.Array] = None, blocked: bool = False,
+                fused: Optional[bool] = None) -> dict:
   """{attention type: [B, T, T] mask} for the types present; spans are bidirectional
   only in `bidirectional_span_types`. With `blocked`, where there are no spans, a layer
   that skips masked work gets its mask in the form its kernel skips it in: for a fused
-  kernel ("jax"), `attention.CausalMask`; for "einsum", a local layer's is
-  `attention.LocalBlocks` once T > 2 x window, and any other's `attention.CausalBlocks`
-  once T holds two causal blocks."""
+  kernel (`fused`, default `fused_attention(config)`), `attention.CausalMask`; else a
+  local layer's is `attention.LocalBlocks` once T > 2 x window, and any other's
+  `attention.CausalBlocks` once T holds two causal blocks."""
   t = segment_ids.shape[1]
   index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
-  fused = config.attention_kernel == "jax"
+  fused = fused_attention(config) if fused is None else fused
   masks = {}
   for kind in sorted(set(layer_types(config))):
     spans = span_ids if kind in config.bidirectional_span_types else None

@@ -68,10 +68,8 @@ def _kept_per_token(m, kind: str, policy: str) -> int:
 def _keys_per_query(m, kind: str, seq_len: int) -> float:
   """Logits per query of a layer, as `decoder.layer_masks(..., blocked=True)` runs it:
   W + Q for a sliding-window layer in blocks of Q (T > 2W), the mean key prefix of a
-  causal layer in query blocks (T at least two blocks), else T. The "jax" kernel takes
-  whole rows: T (XLA's implementation holds them all; cuDNN's none, so it is a bound)."""
-  if m.attention_kernel == "jax":
-    return seq_len
+  causal layer in query blocks (T at least two blocks), else T. (cuDNN's fused kernel
+  holds none of them: for it this is a bound.)"""
   if kind == "local" and m.sliding_window and seq_len > 2 * m.sliding_window:
     return m.sliding_window + attention.local_block_size(m.sliding_window)
   size = attention.causal_block_size(seq_len)

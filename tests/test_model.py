@@ -201,21 +201,31 @@ def test_long_rows_run_local_layers_in_window_blocks():
 
 
 def test_fused_kernel_takes_causal_masks_with_their_structure():
-  """With attention_kernel="jax", causal layers of long rows take `CausalMask`: the dense
-  mask with the window (local layers) or none (global); image spans keep the plain mask.
-  The logits agree with the dense masks given explicitly, packed documents included."""
+  """For cuDNN's fused kernel (the "jax" kernel on a GPU), causal layers take
+  `CausalMask`: the dense mask with the window (local layers) or none (global); image
+  spans keep the plain mask. Run by the "jax" kernel (XLA's on the CPU), the logits agree
+  with the dense masks', packed documents included. Off a GPU the blocks stay."""
   config = tiny(num_layers=2, attention_pattern=("local", "global"), attention_kernel="jax")
   m = config.model
   segments = jnp.asarray([[1] * 6 + [2] * 5, [1] * 11])
-  masks = decoder.layer_masks(m, segments, blocked=True)
+  masks = decoder.layer_masks(m, segments, blocked=True, fused=True)
   dense = decoder.layer_masks(m, segments)
   assert isinstance(masks["local"], CausalMask) and masks["local"].window == m.sliding_window
   assert isinstance(masks["global"], CausalMask) and masks["global"].window is None
   for kind in ("local", "global"):
     np.testing.assert_array_equal(masks[kind].mask, dense[kind])
-  assert not isinstance(decoder.layer_masks(m, segments, segments, blocked=True)["local"],
-                        CausalMask)
-  assert_blocked_logits_match_dense(config, tokens(), segments)
+  assert not isinstance(
+      decoder.layer_masks(m, segments, segments, blocked=True, fused=True)["local"], CausalMask)
+  assert decoder.fused_attention(m) == (jax.default_backend() == "gpu")
+  if jax.default_backend() != "gpu":
+    assert isinstance(decoder.layer_masks(m, segments, blocked=True)["local"], LocalBlocks)
+  toks = tokens()
+  params = gj.transform(config).init(jax.random.key(0), toks)
+  module = decoder.Decoder(m)
+  positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+  fused = module.apply({"params": params}, toks, positions, segments, masks=masks)
+  expected = module.apply({"params": params}, toks, positions, segments, masks=dense)
+  np.testing.assert_allclose(fused, expected, rtol=1e-5, atol=1e-5)
 
 
 def assert_blocked_logits_match_dense(config, toks, segments):

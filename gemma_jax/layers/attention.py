@@ -8,10 +8,10 @@ its queries go in blocks of Q = W / 2, each attending only to the W + Q keys end
 its last query, so the work is T x 1.5W instead of T x T. Any other causal layer over a long
 sequence takes its mask as `CausalBlocks`: its queries go in blocks, each attending
 only to the keys up to its own last query, so the masked upper triangle is skipped
-(8 blocks: 56% of the T x T work). Both suit our "einsum" kernel. The fused kernel
-("jax", cuDNN's on a GPU) takes a causal layer's mask as `CausalMask` instead: the whole
-[B, T, T] mask with its structure (causal, and the window), from which it skips the
-masked tiles itself.
+(8 blocks: 56% of the T x T work). Both suit kernels that compute every logit they are
+given (ours, XLA's). cuDNN's fused kernel (the "jax" kernel on a GPU) takes a causal
+layer's mask as `CausalMask` instead: the whole [B, T, T] mask with its structure
+(causal, and the window), from which it skips the masked tiles itself.
 
 Decoding replaces a layer's mask by a cache access (`Prefill` or `Decode`): the layer
 then keeps its keys and values in the "cache" variable collection, a ring of S slots
