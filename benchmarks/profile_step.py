@@ -1,0 +1,140 @@
+r"""Where a user loop's train step spends its device time, by kernel, with HLO op names.
+
+    python benchmarks/profile_step.py --preset=gemma3-1b --dtype=bfloat16   # on a GPU
+    python benchmarks/profile_step.py --preset=gemma3-tiny --batch_size=2 --seq_len=256
+
+Times the step of `benchmarks/accelerator.py` (apply + optax AdamW under `jax.jit`, state
+donated), then traces two steps with `jax.profiler` and sums the device's events by
+kernel name: on a GPU the kernels of the device streams (XLA's fusions are named after
+their HLO instructions; cuBLAS and cuDNN kernels keep their library names), on a CPU
+XLA's thunks. Each kernel is joined with its HLO instruction's shape and `op_name`
+(which layer and operation it comes from). Events carry the CUDA-graph command buffer
+they ran in as `hlo_op`, so a sum by `hlo_op` only splits the step into those graphs:
+this script keys by kernel name instead. On a CPU thunks run concurrently, so their sum
+exceeds the step's time and each one's duration is inflated: read it as a ranking only.
+"""
+
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import common
+import gemma_jax as gj
+
+_PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name.")
+_BATCH = flags.DEFINE_integer("batch_size", 4, "Rows.")
+_SEQ = flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
+_DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
+_KERNEL = flags.DEFINE_string("attention_kernel", "einsum", "Attention kernel.")
+_REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
+_UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll.")
+_TOP = flags.DEFINE_integer("top", 40, "Kernels listed.")
+_OUT = flags.DEFINE_string("out", None, "JSON output; default "
+                           "benchmarks/results/profile_step_<backend>.json.")
+
+LIBRARY_KERNELS = ("gemm", "cublas", "cutlass", "nvjet", "xmma", "cudnn", "flash")
+
+
+def hlo_instructions(text: str) -> dict:
+  """{instruction name: (shape, opcode, op_name)} of compiled HLO text."""
+  out = {}
+  for line in text.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
+    if m:
+      op_name = re.search(r'op_name="([^"]*)"', line)
+      out[m.group(1)] = (m.group(2), m.group(3), op_name.group(1) if op_name else "")
+  return out
+
+
+def device_events(trace_dir: str, instructions: dict) -> list:
+  """The traced device events: a GPU's streams, or a CPU's XLA thunks."""
+  path = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)[0]
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  processes = {e["pid"]: e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+  on_cpu = jax.default_backend() == "cpu"
+  return [e for e in events if e.get("ph") == "X" and "dur" in e and (
+      "GPU" in processes.get(e["pid"], "") or (on_cpu and e["name"] in instructions))]
+
+
+def instruction_of(kernel: str, instructions: dict):
+  """A kernel's HLO instruction: its own name, or with its last "_N" read as ".N"."""
+  for name in (kernel, re.sub(r"_(\d+)$", r".\1", kernel)):
+    if name in instructions:
+      return instructions[name]
+  return ("", "", "")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = gj.get_config(_PRESET.value)
+  config.model.update(dtype=_DTYPE.value, remat_policy=_REMAT.value,
+                      scan_unroll=_UNROLL.value, attention_kernel=_KERNEL.value)
+  b, t = _BATCH.value, _SEQ.value
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.model.vocab_size, (b, t)),
+                       jnp.int32)
+  step, params, opt_state = common.user_train_step(config, tokens)
+  compiled = step.lower(params, opt_state, tokens).compile()
+  text = compiled.as_text()
+  state = [params, opt_state]
+
+  def run():
+    state[0], state[1], value = compiled(state[0], state[1], tokens)
+    return float(value)
+
+  for _ in range(3):
+    run()
+  times = []
+  for _ in range(5):
+    start = time.perf_counter()
+    run()
+    times.append(time.perf_counter() - start)
+  step_ms = float(np.median(times)) * 1e3
+  instructions = hlo_instructions(text)
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(2):
+        run()
+    events = device_events(trace_dir, instructions)
+
+  per_step = collections.Counter()
+  calls = collections.Counter()
+  for e in events:
+    per_step[e["name"]] += e["dur"] / 1e3 / 2
+    calls[e["name"]] += 1
+  busy = sum(per_step.values())
+  library = sum(v for k, v in per_step.items() if any(w in k.lower() for w in LIBRARY_KERNELS))
+  kernels = []
+  for name, ms in per_step.most_common(_TOP.value):
+    shape, opcode, op_name = instruction_of(name, instructions)
+    op_name = re.sub(r".*closed_call/", "", re.sub(r"jit\([^)]*\)/", "", op_name))
+    kernels.append({"kernel": name, "ms_per_step": ms, "calls_per_step": calls[name] // 2,
+                    "shape": shape, "opcode": opcode, "op_name": op_name})
+  common.print_table(
+      f"{jax.devices()[0].device_kind}: {_PRESET.value} {_DTYPE.value} {b} x {t}, step "
+      f"{step_ms:.1f} ms, device busy {busy:.1f} ms/step (cuBLAS/cuDNN kernels "
+      f"{library:.1f})", ["ms/step", "calls", "kernel", "shape", "op_name (tail)"],
+      [[k["ms_per_step"], k["calls_per_step"], k["kernel"][:40], k["shape"][:30],
+        k["op_name"][-90:]] for k in kernels])
+  common.write_json(common.output_path(_OUT.value, "profile_step"),
+                    {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
+                     "seq_len": t, "attention_kernel": _KERNEL.value,
+                     "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
+                     "step_ms": step_ms, "device_busy_ms": busy,
+                     "library_kernel_ms": library, "kernels": kernels})
+
+
+if __name__ == "__main__":
+  app.run(main)
