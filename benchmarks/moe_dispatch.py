@@ -7,8 +7,9 @@ For each expert count: the forward, and the forward + backward (gradients of x a
 every weight), of each dispatch on the same routing, plus "routed": the same matmuls on
 the M * k routed rows with one expert's weights and no routing at all (the work a
 perfect grouped matmul would do). The loop dispatch is also timed with other row
-blocks: "32" one tier, "128+32" two (`grouped_matmul.BLOCK_ROWS` is the default).
-Times are medians in ms.
+blocks: "32" one tier, "128+32" two (`grouped_matmul.BLOCK_ROWS` is the default), and
+for each the rows its grouped matmuls multiply per routed row (`work`: the work done
+over the work needed; its blocks' padding). Times are medians in ms.
 """
 
 from absl import app
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import common
-from gemma_jax.layers import expert_dispatch
+from gemma_jax.layers import expert_dispatch, grouped_matmul
 from gemma_jax.layers.mlp import ACTIVATIONS
 
 _EXPERTS = flags.DEFINE_list("experts", ["8", "16", "32", "64", "128"], "Expert counts E.")
@@ -79,17 +80,23 @@ def main(argv):
       blocks = tuple(int(b) for b in tiers.split("+"))
       loop = lambda *a, blocks=blocks: expert_dispatch.loop(*a, blocks=blocks)
       row[f"loop_blocks_{tiers}"] = timings(loop, *args)
+      sizes = jnp.bincount(args[1].reshape(-1), length=num_experts)
+      row[f"loop_blocks_{tiers}"]["work"] = float(
+          grouped_matmul.computed_rows(sizes, blocks) / args[1].size)
     results.append(row)
     print(f"E={num_experts}: " + ", ".join(
-        f"{k} {v['forward']:.1f}/{v['backward']:.1f}" for k, v in row.items() if k != "experts"),
+        f"{k} {v['forward']:.1f}/{v['backward']:.1f}" + (f" (work {v['work']:.3f}x)"
+                                                          if "work" in v else "")
+        for k, v in row.items() if k != "experts"),
           flush=True)
 
   columns = [k for k in results[0] if k != "experts"]
   common.print_table(
       f"backend {backend}, M={_TOKENS.value} tokens, k={_TOP_K.value}, D={_D_MODEL.value}, "
       f"F={_MLP_DIM.value}; ms forward / forward+backward", ["E"] + columns,
-      [[row["experts"]] + [f"{row[c]['forward']:.1f} / {row[c]['backward']:.1f}"
-                           for c in columns] for row in results])
+      [[row["experts"]] + [f"{row[c]['forward']:.1f} / {row[c]['backward']:.1f}" + (
+          f" ({row[c]['work']:.3f}x work)" if "work" in row[c] else "") for c in columns]
+       for row in results])
   common.write_json(common.output_path(_OUT.value, "moe_dispatch"),
                     {"tokens": _TOKENS.value, "top_k": _TOP_K.value, "d_model": _D_MODEL.value,
                      "expert_mlp_dim": _MLP_DIM.value, "results": results})

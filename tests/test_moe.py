@@ -129,6 +129,24 @@ class DispatchTest(chex.TestCase):
     np.testing.assert_allclose(grad_rows, expected_rows, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grad_weights, expected_weights, rtol=1e-5, atol=1e-5)
 
+  @parameterized.parameters((128, 32), (32,), (256, 128, 32))
+  def test_computed_rows_count_each_groups_padded_blocks(self, *blocks):
+    """computed_rows counts what the loops multiply: per group, greedy whole blocks of
+    each larger tier, then the rest in smallest blocks, the last one padded; tiers no
+    group can fill (longer than all rows) are skipped."""
+    sizes = np.array([0, 1, 31, 32, 33, 127, 128, 129, 300], np.int32)
+
+    def by_hand(size, total):
+      done, rest = 0, size
+      for block in [b for b in blocks[:-1] if b <= total]:
+        done, rest = done + rest // block * block, rest % block
+      return done + -(-rest // blocks[-1]) * blocks[-1]
+
+    for group_sizes in (sizes, sizes[:4]):
+      total = int(group_sizes.sum())
+      want = sum(by_hand(int(size), total) for size in group_sizes)
+      self.assertEqual(int(grouped_matmul.computed_rows(jnp.asarray(group_sizes), blocks)), want)
+
   def test_auto_picks_the_loop_on_cpu_and_gather_for_few_rows(self):
     self.assertEqual(jax.default_backend(), "cpu")
     self.assertEqual(expert_dispatch.resolve("auto", assignments=64, num_experts=8), "loop")

@@ -35,6 +35,13 @@ def _tiers(size: jax.Array, blocks: Sequence[int],
     done = done + count * block
 
 
+def computed_rows(group_sizes: jax.Array, blocks: Sequence[int] = BLOCK_ROWS) -> jax.Array:
+  """Rows `grouped_matmul` multiplies for `group_sizes` [E] (summing to A): every
+  group's blocks in full, its last one padded. Over A, the work done per work needed."""
+  rows = int(jnp.sum(group_sizes))
+  return sum(jnp.sum(count * block) for block, _, count in _tiers(group_sizes, blocks, rows))
+
+
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
   """Appends zero rows, so that a block starting at any row stays in bounds."""
   return jnp.concatenate([x, jnp.zeros((rows, x.shape[1]), x.dtype)])
