@@ -169,14 +169,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   query sees every key) -> [B, T, N, H].
 
   kernel "einsum": logits and softmax in float32, probabilities cast back to the compute
-  dtype (`grouped_attention`). "jax": `jax.nn.dot_product_attention`, no soft cap; given
-  the mask's structure (S = T; `causal`, and a `window` as in `attention_mask`), cuDNN's
-  fused kernel on a GPU in bfloat16 or float16, which skips the tiles it masks; XLA's
-  otherwise.
+  dtype (`grouped_attention`). "jax": `jax.nn.dot_product_attention`, no soft cap; with
+  no mask, or given the mask's structure (S = T; `causal`, and a `window` as in
+  `attention_mask`), cuDNN's fused kernel on a GPU in bfloat16 or float16, which then
+  skips the tiles the structure masks; XLA's otherwise (cache accesses).
   """
   if kernel == "jax":
     chex.assert_equal(logit_softcap, None)
-    cudnn = (jax.default_backend() == "gpu" and causal
+    cudnn = (jax.default_backend() == "gpu" and (causal or mask is None)
              and q.dtype in (jnp.bfloat16, jnp.float16))
     return jax.nn.dot_product_attention(
         q, k, v, mask=None if mask is None else mask[:, None], scale=1.0, is_causal=causal,
