@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue 21's GPU figures in one call, for a short lease of a GPU machine:
+#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 4 x 2048; writes to $OUT
+#   PRESET=gemma3-tiny BATCH=2 SEQ=256 DTYPE=float32 bash benchmarks/gpu_check.sh   # a dry run
+#
+# 1. benchmarks/accelerator.py: train-step MFU per attention kernel, forward, decoding at
+#    batch 1 and 64 (about 200 s on an H200, most of it compiling);
+# 2. benchmarks/profile_step.py: that step's device time by kernel;
+# 3. benchmarks/attention_kernels.py: one attention layer per kernel.
+# Each runs under its own timeout, so one that hangs leaves the others' results.
+#
+# Packages the machine lacks travel as wheels in .wheels/ (git-ignored; name it in the
+# call's carry), fetched here beforehand for its Python (3.12 on the lent machines), e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .wheels ml_collections qwix tensorboardX
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu_check}
+mkdir -p "$out"
+if compgen -G ".wheels/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/gpu_check_site .wheels/*.whl || exit 1
+  export PYTHONPATH=/tmp/gpu_check_site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+model=(--preset="${PRESET:-gemma3-1b}" --batch_size="${BATCH:-4}" --seq_len="${SEQ:-2048}"
+       --dtype="${DTYPE:-bfloat16}")
+cd benchmarks
+run() {  # seconds, log name, command...
+  local limit=$1 name=$2
+  shift 2
+  timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee "$out/$name.log"
+}
+run 260 accelerator python3 accelerator.py "${model[@]}" --steps=5 --out="$out/accelerator.json"
+run 150 profile_step python3 profile_step.py "${model[@]}" --out="$out/profile_step.json"
+run 90 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
+  --seq_len="${SEQ:-2048}" --out="$out/attention_kernels.json"
