@@ -99,8 +99,10 @@ def scanned_layers(config: config_dict.ConfigDict) -> dict:
 
 def fused_attention(config: config_dict.ConfigDict) -> bool:
   """Whether attention runs as cuDNN's fused kernel, which skips masked tiles itself:
-  the "jax" kernel on a GPU (elsewhere XLA's implementation computes every logit)."""
-  return config.attention_kernel == "jax" and jax.default_backend() == "gpu"
+  the "jax" kernel on a GPU in bfloat16 or float16 (otherwise XLA's implementation,
+  which computes every logit it is given)."""
+  return (config.attention_kernel == "jax" and jax.default_backend() == "gpu"
+          and config.dtype in ("bfloat16", "float16"))
 
 
 def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
