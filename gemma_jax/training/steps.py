@@ -121,15 +121,11 @@ def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
       out = micro_step(state.params, micro, jax.random.fold_in(step_rng, index), total_weight)
       return jax.tree.map(jnp.add, totals, out), None
 
-    if grad_accum_steps == 1:   # no loop: it would trace the model twice and copy the grads
-      grads, sums, aux = micro_step(state.params, batch, jax.random.fold_in(step_rng, 0),
-                                    total_weight)
-    else:
-      first = jax.tree.map(lambda x: x[0], micro_batches)
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
-          micro_step, state.params, first, step_rng, total_weight))
-      (grads, sums, aux), _ = jax.lax.scan(
-          accumulate, zeros, (jnp.arange(grad_accum_steps), micro_batches))
+    first = jax.tree.map(lambda x: x[0], micro_batches)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(
+        micro_step, state.params, first, step_rng, total_weight))
+    (grads, sums, aux), _ = jax.lax.scan(
+        accumulate, zeros, (jnp.arange(grad_accum_steps), micro_batches))
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
