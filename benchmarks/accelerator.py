@@ -2,10 +2,12 @@ r"""A real preset on an accelerator: train-step MFU per attention kernel, forwar
 
     python benchmarks/accelerator.py                      # gemma3-1b, bfloat16, 4 x 2048
     python benchmarks/accelerator.py --kernels=jax --decode_batch_sizes=1,8,64
+    python benchmarks/accelerator.py --loss=chunked --batch_size=8 --decode_batch_sizes=
 
 For each attention kernel (`config.model.attention_kernel`) it times what a user's own
-loop does: a `jax.jit` of `jax.value_and_grad` over `gj.transform(config).apply` and the
-cross-entropy, optax's clipped AdamW, params and optimizer state donated; and the
+loop does: a `jax.jit` of `jax.value_and_grad` over the cross-entropy (`--loss`: optax's
+over `gj.transform(config).apply`'s logits, or `.loss`, which never forms them whole),
+optax's clipped AdamW, params and optimizer state donated; and the
 forward pass alone. A kernel that fails (e.g. cuDNN refusing a shape) is reported with
 its error and the others still run. Weights are float32, compute in `--dtype`. The first kernel's logits
 are the reference for the others' (max difference printed, with the first step's loss).
@@ -41,6 +43,9 @@ _REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
 _UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll: 'none' "
                               "keeps the layer loop rolled (26 layers compile in far less time).")
 _KERNELS = flags.DEFINE_list("kernels", ["einsum", "jax"], "Attention kernels.")
+_LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked"],
+                          "The train step's loss (`common.user_train_step`).")
+LOSS_NAMES = {"logits": "optax cross-entropy over apply", "chunked": "model.loss"}
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed train steps (after one warm-up).")
 _DECODE = flags.DEFINE_list("decode_batch_sizes", ["1", "64"], "Decoded prompts per call.")
 _PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
@@ -81,7 +86,7 @@ def train_and_forward(kernel: str, tokens: jax.Array) -> dict:
   """The user loop's step and the forward pass of one kernel."""
   config = model_config(kernel)
   model = gj.transform(config)
-  step, params, opt_state = common.user_train_step(config, tokens)
+  step, params, opt_state = common.user_train_step(config, tokens, loss=_LOSS.value)
 
   @jax.jit
   def forward(params, tokens):
@@ -166,7 +171,7 @@ def main(argv):
   device = jax.devices()[0].device_kind
   common.print_table(
       f"{device}, {_PRESET.value} in {_DTYPE.value}, train and forward {b} x {t} tokens "
-      f"(user loop: apply + optax AdamW under jax.jit), remat {_REMAT.value}",
+      f"(user loop: {LOSS_NAMES[_LOSS.value]}, optax AdamW, jax.jit), remat {_REMAT.value}",
       ["attention kernel", "step ms", "train tok/s", "MFU (datasheet)", "MFU (matmul)",
        "forward tok/s", "compile s", "first loss", "max logit diff"], rows)
   common.print_table(
@@ -176,7 +181,7 @@ def main(argv):
       [[d["batch_size"], d["seconds"], d["tokens_per_s"]] for d in decodes])
   common.write_json(common.output_path(_OUT.value, "accelerator"),
                     {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
-                     "seq_len": t, "remat_policy": _REMAT.value,
+                     "seq_len": t, "loss": _LOSS.value, "remat_policy": _REMAT.value,
                      "scan_unroll": _UNROLL.value,
                      "flops_per_token": flops_per_token, "datasheet_peak": peak,
                      "measured_matmul_flops": measured_peak, "train": results,

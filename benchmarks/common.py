@@ -109,25 +109,33 @@ def abstract_train_step(config, batch_size: int, seq_len: int):
   return step, state, batch
 
 
-def user_train_step(config, tokens: jax.Array):
+def user_train_step(config, tokens, loss: str = "logits", abstract: bool = False):
   """What a user's own loop compiles: (a jitted step(params, opt_state, tokens) ->
   (params, opt_state, loss) with params and optimizer state donated, params, opt_state).
-  The step is `jax.value_and_grad` over `gj.transform(config).apply` and optax's
-  cross-entropy, then optax's clipped AdamW; nothing else of ours."""
+  The step is `jax.value_and_grad` over the next-token cross-entropy, then optax's
+  clipped AdamW; nothing else of ours. `loss` "logits": optax's cross-entropy over
+  `gj.transform(config).apply`'s logits; "chunked": `gj.transform(config).loss`.
+  `abstract`: params and opt_state as shapes only (tokens may be a ShapeDtypeStruct),
+  for lowering without allocating."""
   model, o = gj.transform(config), config.optimizer
   tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
                    optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
                                weight_decay=o.weight_decay))
-  params = model.init(jax.random.key(0), tokens)
+  init = lambda: model.init(jax.random.key(0), np.zeros(tokens.shape, np.int32))
+  params = jax.eval_shape(init) if abstract else init()
+  opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
 
-  def loss(params, tokens):
+  def objective(params, tokens):
+    if loss == "chunked":
+      sums = model.loss(params, tokens[:, :-1], tokens[:, 1:])
+      return sums.cross_entropy / sums.weight
     logits = model.apply(params, tokens)
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
                                                            tokens[:, 1:]).mean()
 
   def step(params, opt_state, tokens):
-    value, grads = jax.value_and_grad(loss)(params, tokens)
+    value, grads = jax.value_and_grad(objective)(params, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, value
 
-  return jax.jit(step, donate_argnums=(0, 1)), params, tx.init(params)
+  return jax.jit(step, donate_argnums=(0, 1)), params, opt_state

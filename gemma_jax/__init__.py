@@ -1,10 +1,11 @@
-"""gemma_jax: Gemma 3 in pure Flax Linen, as two pure functions.
+"""gemma_jax: Gemma 3 and 4 in pure Flax Linen, as pure functions.
 
     import gemma_jax as gj
     config = gj.get_config("gemma3-1b")
     model = gj.transform(config)
     params = model.init(jax.random.key(0), tokens)
     logits = model.apply(params, tokens)
+    sums = model.loss(params, tokens[:, :-1], tokens[:, 1:])   # cross-entropy sums
 
 On a CPU-only install, importing it sets glibc's malloc to reuse freed memory
 (`gemma_jax.host_memory`; GEMMA_JAX_KEEP_FREED_MEMORY=0 leaves malloc alone).

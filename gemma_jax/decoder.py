@@ -202,7 +202,8 @@ class Decoder(nn.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
                span_ids: Optional[jax.Array] = None,
                masks: Optional[dict] = None,
-               images: Optional[jax.Array] = None) -> jax.Array:
+               images: Optional[jax.Array] = None,
+               return_hidden: bool = False) -> jax.Array:
     """tokens, positions, segment_ids, span_ids: [B, T] -> [B, T, V].
 
     images: (`vision.enabled`) Gemma 3: [B, I, S, S, C] normalised pixels; Gemma 4:
@@ -215,6 +216,8 @@ class Decoder(nn.Module):
       or an `attention.Prefill` / `Decode` cache access} replacing the masks built from
       segment_ids and span_ids (decoding; the layers' caches are then the "cache"
       collection, see `gemma_jax.inference.decoding`).
+    return_hidden: (tied embedding) instead of the logits, the final norm's output
+      [B, T, D] and the table [V, D] in the compute dtype, for `layers.chunked_loss`.
     """
     c = self.config
     dtype, param_dtype = jnp.dtype(c.dtype), jnp.dtype(c.param_dtype)
@@ -241,6 +244,10 @@ class Decoder(nn.Module):
     x = self._layers(x, positions, masks, per_layer)
 
     x = unfused(LAYERS[c.block_type].make_norm(c, "final_norm")(x))
+    if return_hidden:
+      if not c.logits_via_embedding:
+        raise ValueError("return_hidden needs the tied embedding (logits_via_embedding)")
+      return x, embed.embedding.astype(dtype)
     if c.logits_via_embedding:
       logits = embed.attend(x)
     else:

@@ -1,11 +1,12 @@
-"""The whole model as two pure functions: `transform(config) -> Transformed(init, apply)`.
+"""The whole model as pure functions: `transform(config) -> Transformed(init, apply, loss)`.
 
     model = gemma_jax.transform(config)
     params = model.init(jax.random.key(0), tokens)     # a plain pytree of arrays
     logits = model.apply(params, tokens)               # [B, T, V] float32
     logits, aux = model.apply(params, tokens, return_aux=True)   # + auxiliary outputs
+    sums = model.loss(params, tokens[:, :-1], tokens[:, 1:])      # cross-entropy sums
 
-Both are jitted (compiled once per input shape) and compose with jax.jit, jax.grad
+All are jitted (compiled once per input shape) and compose with jax.jit, jax.grad
 and jax.vmap. Parameters carry logical axis names
 at init time (see `gemma_jax.sharding`); `init` returns them unboxed.
 """
@@ -23,14 +24,17 @@ from gemma_jax import config as config_lib
 from gemma_jax import modules
 from gemma_jax import decoder
 from gemma_jax.decoder import Decoder
-from gemma_jax.layers import activation_stats, moe
+from gemma_jax.layers import activation_stats, chunked_loss, moe
 from gemma_jax.models import towers, vision
+from gemma_jax.training import loss as loss_lib
 
 
 class Transformed(NamedTuple):
-  """A model as pure functions: init(rng, tokens) -> params; apply(params, tokens) -> logits."""
+  """A model as pure functions: init(rng, tokens) -> params; apply(params, tokens) ->
+  logits; loss(params, tokens, targets) -> weighted cross-entropy sums."""
   init: Callable
   apply: Callable
+  loss: Callable
 
 
 def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
@@ -98,15 +102,16 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
   def _init(rng, tokens, positions, segment_ids):
     return nn.meta.unbox(module(True).init(rng, tokens, positions, segment_ids)["params"])
 
-  @functools.partial(jax.jit, static_argnames="return_aux")
-  def _apply(params, tokens, positions, segment_ids, images, rng, return_aux):
+  def _forward(params, tokens, positions, segment_ids, images, rng, return_aux,
+               return_hidden=False):
     rngs = None if rng is None else {"dropout": rng}
     # Without images there are no spans (check_image_inputs refuses placeholders then),
     # so local layers of long rows keep their blocked masks.
     spans = (vision.image_span_ids(tokens, model_config.vision.image_token_id)
              if images is not None else None)
     run = functools.partial(module(rng is None).apply, {"params": params}, tokens, positions,
-                            segment_ids, spans, images=images, rngs=rngs)
+                            segment_ids, spans, images=images, rngs=rngs,
+                            return_hidden=return_hidden)
     if not return_aux:
       return run()
     logits, state = run(mutable=["intermediates"])
@@ -117,6 +122,21 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
           intermediates, len(model_config.attention_pattern),
           {s.name: s.start for s in decoder.scan_segments(model_config)})
     return logits, aux
+
+  _apply = jax.jit(_forward, static_argnames="return_aux")
+
+  @functools.partial(jax.jit, static_argnames="return_aux")
+  def _loss(params, tokens, targets, weights, positions, segment_ids, images, rng, return_aux):
+    tied = model_config.logits_via_embedding
+    out = _forward(params, tokens, positions, segment_ids, images, rng, return_aux,
+                   return_hidden=tied)
+    head, aux = out if return_aux else (out, None)
+    if tied:
+      sums = chunked_loss.token_losses(*head, targets, weights,
+                                       logit_softcap=model_config.final_logit_softcap)
+    else:
+      sums = loss_lib.token_losses(head, targets, weights)
+    return (sums, aux) if return_aux else sums
 
   def init(rng: jax.Array, tokens: jax.Array, *, positions=None, segment_ids=None) -> dict:
     """rng: a PRNG key; tokens: [B, T] ids (only their shape matters) -> params."""
@@ -158,4 +178,34 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     towers.check_image_inputs(tokens, images, model_config)
     return _apply(params, *checked, images, rng, return_aux)
 
-  return Transformed(init, apply)
+  def loss(params: dict, tokens: jax.Array, targets: jax.Array, *,
+           weights: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
+           segment_ids: Optional[jax.Array] = None, images: Optional[jax.Array] = None,
+           rng: Optional[jax.Array] = None, return_aux: bool = False):
+    """The cross-entropy of `targets` under the logits `apply` gives, as
+    `gemma_jax.training.loss.TokenLosses` float32 sums over positions (cross_entropy,
+    z_loss, weight; the mean loss is cross_entropy / weight); with `return_aux`,
+    (sums, aux) as `apply` gives aux.
+
+    With the tied embedding (every Gemma) the [B, T, V] logits are never formed whole:
+    `layers.chunked_loss` takes them a chunk of positions at a time, in the forward and
+    the backward pass. Differentiate it for training:
+
+        grads = jax.grad(lambda p: (lambda s: s.cross_entropy / s.weight)(
+            model.loss(p, tokens[:, :-1], tokens[:, 1:])))(params)
+
+    Args:
+      targets: [B, T] int ids in [0, vocab_size), the token expected at each position
+        (checked unless traced).
+      weights: [B, T] each position's weight (0: not counted); default all 1.
+      The others: as `apply`'s.
+    """
+    checked = inputs(tokens, positions, segment_ids)
+    _check_same_shape(tokens, targets, "targets")
+    _check_tokens(targets, model_config.vocab_size, "targets")
+    _check_same_shape(tokens, weights, "weights")
+    weights = jnp.ones(tokens.shape, jnp.float32) if weights is None else weights
+    towers.check_image_inputs(tokens, images, model_config)
+    return _loss(params, checked[0], targets, weights, *checked[1:], images, rng, return_aux)
+
+  return Transformed(init, apply, loss)

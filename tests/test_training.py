@@ -128,8 +128,8 @@ def test_grad_accumulation_equals_one_large_batch(sgd):
 
 def test_auxiliary_losses_are_added_to_the_objective(sgd):
   def forward_with_aux(params, batch, rng):
-    logits, _, _ = steps.model_forward(sgd["model"])(params, batch, rng)
-    return (logits, {"l2": 0.01 * jnp.sum(params["embed"]["embedding"] ** 2)},
+    sums, _, _ = steps.model_forward(sgd["model"])(params, batch, rng)
+    return (sums, {"l2": 0.01 * jnp.sum(params["embed"]["embedding"] ** 2)},
             {"observed": jnp.sum(params["embed"]["embedding"])})
 
   state = sgd["state"]

@@ -1,9 +1,10 @@
 """The pure steps: `train_step(state, batch) -> (state, metrics)` and `eval_step`.
 
-Both take a `forward(params, batch, rng) -> (logits [B, T, V], losses, observed)`:
-`losses` maps names to scalar losses the model wants added to the objective (e.g. MoE
-load balancing), `observed` maps names to scalars only to log (e.g. each expert's
-load); the train step logs both as aux/<name>. `model_forward` adapts a
+Both take a `forward(params, batch, rng) -> (sums, losses, observed)`: `sums` are the
+batch's weighted cross-entropy sums (`loss.TokenLosses`), `losses` maps names to scalar
+losses the model wants added to the objective (e.g. MoE load balancing), `observed`
+maps names to scalars only to log (e.g. each expert's load); the train step logs both
+as aux/<name>. `model_forward` adapts a
 `gemma_jax.transform` model.
 """
 
@@ -19,7 +20,7 @@ from gemma_jax.transformer import Transformed
 
 Batch = Dict[str, jax.Array]
 Scalars = Dict[str, jax.Array]
-Forward = Callable[[Any, Batch, Optional[jax.Array]], Tuple[jax.Array, Scalars, Scalars]]
+Forward = Callable[[Any, Batch, Optional[jax.Array]], Tuple[loss.TokenLosses, Scalars, Scalars]]
 
 
 class TrainState(NamedTuple):
@@ -31,7 +32,8 @@ class TrainState(NamedTuple):
 
 
 def model_forward(model: Transformed) -> Forward:
-  """The model's forward with its auxiliary outputs; rng None runs without dropout.
+  """The model's loss (`Transformed.loss`: the tied logits never formed whole) with its
+  auxiliary outputs; rng None runs without dropout.
 
   The losses are the model's (MoE load balancing and router z-loss, already weighted);
   a MoE model's per-expert load is observed as `expert_load/<e>`, and with
@@ -40,15 +42,16 @@ def model_forward(model: Transformed) -> Forward:
   """
 
   def forward(params, batch, rng):
-    logits, aux = model.apply(params, batch["tokens"], positions=batch["positions"],
-                              segment_ids=batch["segment_ids"], images=batch.get("images"),
-                              rng=rng, return_aux=True)
+    sums, aux = model.loss(params, batch["tokens"], batch["targets"],
+                           weights=batch["weights"], positions=batch["positions"],
+                           segment_ids=batch["segment_ids"], images=batch.get("images"),
+                           rng=rng, return_aux=True)
     observed = {}
     if "expert_load" in aux:
       load = jax.lax.stop_gradient(aux["expert_load"])
       observed.update({f"expert_load/{e}": load[e] for e in range(load.shape[0])})
     observed.update(jax.lax.stop_gradient(aux.get("activation_stats", {})))
-    return logits, dict(aux["losses"]), observed
+    return sums, dict(aux["losses"]), observed
 
   return forward
 
@@ -95,8 +98,7 @@ def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
 
   def micro_step(params, micro, rng, total_weight):
     def objective(params):
-      logits, losses, observed = forward(params, micro, rng)
-      sums = loss.token_losses(logits, micro["targets"], micro["weights"])
+      sums, losses, observed = forward(params, micro, rng)
       losses = {name: value / grad_accum_steps for name, value in losses.items()}
       value = (sums.cross_entropy + z_loss * sums.z_loss) / total_weight + sum(losses.values())
       observed = {name: value / grad_accum_steps for name, value in observed.items()}
@@ -147,7 +149,7 @@ def make_eval_step(forward: Forward) -> Callable:
   """eval_step(params, batch) -> loss.TokenLosses sums, without dropout."""
 
   def eval_step(params, batch: Batch) -> loss.TokenLosses:
-    logits, _, _ = forward(params, batch, None)
-    return loss.token_losses(logits, batch["targets"], batch["weights"])
+    sums, _, _ = forward(params, batch, None)
+    return sums
 
   return eval_step

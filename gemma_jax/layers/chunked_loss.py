@@ -1,0 +1,158 @@
+"""The tied-embedding logits and their cross-entropy, a chunk of positions at a time.
+
+Dims: B batch, T positions, C positions per chunk, D model width, V vocabulary.
+
+A [B, T, V] float32 logits array is the largest activation of a Gemma training step:
+4 x 2048 tokens of a 262,144-entry vocabulary are 8.6 GB, and the softmax's backward
+pass copies it. `token_losses` computes the same weighted sums from the final hidden
+states [B, T, D] and the table [V, D] without it: logits [B, C, V] a chunk at a time.
+Differentiated, the forward pass also takes each chunk's cross-entropy gradient while
+its logits are at hand (the loss is a sum, so its cotangent only scales them): the
+matmuls are the three of the plain logits' forward and backward, and what waits for the
+backward pass is d hidden [B, T, D] and d table [V, D] float32 (the table gradient's own
+size) instead of the logits. A z-loss with a nonzero cotangent forms the logits once
+more in the backward pass.
+"""
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemma_jax.layers.attention import softcap
+from gemma_jax.training.loss import TokenLosses
+
+LOGITS_BYTES = 1 << 28     # float32 logits per chunk: 256 MiB
+
+
+def chunk_length(batch: int, length: int, vocab_size: int,
+                 logits_bytes: Optional[int] = None) -> int:
+  """Positions per chunk C: as many as keep [B, C, V] float32 logits within
+  `logits_bytes` (default `LOGITS_BYTES`), at least 1, at most T."""
+  logits_bytes = logits_bytes or LOGITS_BYTES
+  return int(np.clip(logits_bytes // (4 * batch * vocab_size), 1, length))
+
+
+def token_losses(hidden: jax.Array, table: jax.Array, targets: jax.Array,
+                 weights: jax.Array, *, logit_softcap: Optional[float] = None,
+                 logits_bytes: Optional[int] = None) -> TokenLosses:
+  """`gemma_jax.training.loss.token_losses` of the logits softcap(hidden . table^T) in
+  float32, without forming them whole.
+
+  Args:
+    hidden: [B, T, D] final hidden states (after the final norm), compute dtype.
+    table: [V, D] the tied embedding table, in the compute dtype.
+    targets: [B, T] int target ids; weights: [B, T] per-position weights.
+    logit_softcap: the final logits' tanh cap, or None.
+    logits_bytes: the float32 logits one chunk may hold (`chunk_length`). When all T
+      positions fit in one chunk, the logits are formed whole and differentiated as
+      usual (no recomputation).
+  """
+  b, t, _ = hidden.shape
+  c = chunk_length(b, t, table.shape[0], logits_bytes)
+  weights = weights.astype(jnp.float32)
+  if c == t:
+    return _sums(*_chunk_terms(hidden, table, targets, logit_softcap), weights)
+  pad = -t % c
+  chunked = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
+      b, (t + pad) // c, c, *x.shape[2:]).swapaxes(0, 1)
+  return _chunked_losses(chunked(hidden), table, chunked(targets), chunked(weights),
+                         logit_softcap)
+
+
+def _chunk_terms(hidden, table, targets, logit_softcap):
+  """hidden [..., D], targets [...] -> (log-normalisers, target logits) [...] float32."""
+  logits = softcap(_logits(hidden, table).astype(jnp.float32), logit_softcap)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  return log_z, jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
+def _logits(hidden, table):
+  """hidden [..., D] x table [V, D] -> [..., V] as one [rows, D] x [D, V] matmul (see
+  `embed.Embed.attend`)."""
+  rows = hidden.reshape(-1, hidden.shape[-1])
+  return jnp.matmul(rows, table.T).reshape(*hidden.shape[:-1], table.shape[0])
+
+
+def _sums(log_z, target_logits, weights) -> TokenLosses:
+  return TokenLosses(cross_entropy=jnp.sum(weights * (log_z - target_logits)),
+                     z_loss=jnp.sum(weights * jnp.square(log_z)), weight=jnp.sum(weights))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_losses(hidden, table, targets, weights, logit_softcap) -> TokenLosses:
+  """hidden [N, B, C, D], targets, weights [N, B, C]: N chunks -> the sums over all."""
+  def chunk(_, inputs):
+    h, y = inputs
+    return None, _chunk_terms(h, table, y, logit_softcap)
+
+  _, (log_z, target_logits) = jax.lax.scan(chunk, None, (hidden, targets))
+  return _sums(log_z, target_logits, weights)
+
+
+def _chunk_gradients(d_table, h, table, d_logits_of, logit_softcap):
+  """One chunk's logits [B, C, V], d logits = d_logits_of(logits, log_z) through the
+  cap into (d_table + d table [V, D] float32, d hidden [B, C, D], log_z, logits)."""
+  logits = softcap(_logits(h, table).astype(jnp.float32), logit_softcap)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  d_logits = d_logits_of(logits, log_z)
+  if logit_softcap is not None:
+    d_logits = d_logits * (1 - jnp.square(logits / logit_softcap))
+  d_rows = d_logits.astype(h.dtype).reshape(-1, table.shape[0])         # [B * C, V]
+  d_hidden = jnp.matmul(d_rows, table).reshape(h.shape)
+  d_table = d_table + jnp.matmul(d_rows.T, h.reshape(-1, h.shape[-1]),
+                                 preferred_element_type=jnp.float32)
+  return d_table, d_hidden, log_z, logits
+
+
+def _chunked_forward(hidden, table, targets, weights, logit_softcap):
+  """The sums, and already the cross-entropy's gradients: d logits = w (p - onehot),
+  so that the backward pass only scales them (no logits formed twice)."""
+  def chunk(d_table, inputs):
+    h, y, w = inputs
+    cross_entropy = lambda logits, log_z: w[..., None] * (
+        jnp.exp(logits - log_z[..., None]) - jax.nn.one_hot(y, table.shape[0]))
+    d_table, d_hidden, log_z, logits = _chunk_gradients(d_table, h, table, cross_entropy,
+                                                        logit_softcap)
+    return d_table, (log_z, jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0],
+                     d_hidden)
+
+  d_table, (log_z, target_logits, d_hidden) = jax.lax.scan(
+      chunk, jnp.zeros(table.shape, jnp.float32), (hidden, targets, weights))
+  residuals = (hidden, table, targets, weights, log_z, target_logits, d_hidden, d_table)
+  return _sums(log_z, target_logits, weights), residuals
+
+
+def _z_loss_gradients(hidden, table, weights, logit_softcap):
+  """(d hidden, d table) of the z-loss sum: d logits = 2 w log_z p, the logits formed
+  again chunk by chunk."""
+  def chunk(d_table, inputs):
+    h, w = inputs
+    z_loss = lambda logits, log_z: (2 * w * log_z)[..., None] * jnp.exp(
+        logits - log_z[..., None])
+    d_table, d_hidden, _, _ = _chunk_gradients(d_table, h, table, z_loss, logit_softcap)
+    return d_table, d_hidden
+
+  d_table, d_hidden = jax.lax.scan(chunk, jnp.zeros(table.shape, jnp.float32),
+                                   (hidden, weights))
+  return d_hidden, d_table
+
+
+def _chunked_backward(logit_softcap, residuals, cotangents: TokenLosses):
+  """The forward pass's cross-entropy gradients scaled by its cotangent; the z-loss's
+  computed only when its cotangent is not zero; d weights: each position's terms."""
+  hidden, table, targets, weights, log_z, target_logits, d_hidden, d_table = residuals
+  g_ce, g_z, g_w = cotangents
+  z_hidden, z_table = jax.lax.cond(
+      g_z != 0, lambda: _z_loss_gradients(hidden, table, weights, logit_softcap),
+      lambda: (jnp.zeros_like(d_hidden), jnp.zeros_like(d_table)))
+  d_hidden = (g_ce * d_hidden.astype(jnp.float32) + g_z * z_hidden.astype(jnp.float32))
+  d_table = g_ce * d_table + g_z * z_table
+  d_weights = g_ce * (log_z - target_logits) + g_z * jnp.square(log_z) + g_w
+  return (d_hidden.astype(hidden.dtype), d_table.astype(table.dtype),
+          np.zeros(targets.shape, jax.dtypes.float0), d_weights)
+
+
+_chunked_losses.defvjp(_chunked_forward, _chunked_backward)

@@ -1,0 +1,129 @@
+"""The chunked tied-logits cross-entropy against a dense float64 computation, and the
+model's `loss` against optax over `apply`'s logits."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import gemma_jax as gj
+from gemma_jax.layers import chunked_loss
+
+B, T, D, V = 2, 13, 16, 40
+
+
+def _inputs(seed=0):
+  rng = np.random.default_rng(seed)
+  hidden = rng.normal(size=(B, T, D)).astype(np.float32)
+  table = (rng.normal(size=(V, D)) * 0.5).astype(np.float32)
+  targets = rng.integers(0, V, (B, T)).astype(np.int32)
+  weights = (rng.random((B, T)) > 0.3).astype(np.float32) * rng.uniform(0.5, 2, (B, T))
+  return hidden, table, targets, weights.astype(np.float32)
+
+
+def _objective(sums):
+  """A combination that gives every output its own gradient weight."""
+  return 0.7 * sums.cross_entropy + 0.2 * sums.z_loss + 0.1 * sums.weight
+
+
+def _dense_float64(hidden, table, targets, weights, cap):
+  """The same sums from whole float64 logits, differentiated by autodiff."""
+  def sums(hidden, table, weights):
+    logits = hidden @ table.T
+    if cap is not None:
+      logits = cap * jnp.tanh(logits / cap)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return chunked_loss.TokenLosses(jnp.sum(weights * (log_z - target)),
+                                    jnp.sum(weights * log_z ** 2), jnp.sum(weights))
+  with jax.enable_x64(True):
+    args = [jnp.asarray(a, jnp.float64) for a in (hidden, table, weights)]
+    value, grads = jax.value_and_grad(lambda *a: _objective(sums(*a)), argnums=(0, 1, 2))(*args)
+    return float(value), [np.asarray(g) for g in grads], [float(s) for s in sums(*args)]
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+@pytest.mark.parametrize("chunk", [1, 4, T])   # 4 does not divide T: the last chunk padded
+def test_chunked_sums_and_gradients_match_float64(cap, chunk):
+  hidden, table, targets, weights = _inputs()
+  logits_bytes = 4 * B * V * chunk
+  assert chunked_loss.chunk_length(B, T, V, logits_bytes) == chunk
+
+  @jax.jit
+  def run(hidden, table, weights):
+    def objective(hidden, table, weights):
+      sums = chunked_loss.token_losses(hidden, table, targets, weights, logit_softcap=cap,
+                                       logits_bytes=logits_bytes)
+      return _objective(sums), sums
+    return jax.value_and_grad(objective, argnums=(0, 1, 2), has_aux=True)(
+        hidden, table, weights)
+
+  (value, sums), grads = run(hidden, table, weights)
+  want_value, want_grads, want_sums = _dense_float64(hidden, table, targets, weights, cap)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  np.testing.assert_allclose([float(s) for s in sums], want_sums, rtol=1e-5)
+  for got, want, name in zip(grads, want_grads, ("hidden", "table", "weights")):
+    chex.assert_shape(got, want.shape)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_chunked_loss_never_forms_the_whole_logits():
+  b, t, d, v = 2, 512, 32, 16384      # whole float32 logits: 64 MiB
+  hidden = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+  table = jax.ShapeDtypeStruct((v, d), jnp.float32)
+  targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
+  weights = jax.ShapeDtypeStruct((b, t), jnp.float32)
+
+  def temp_bytes(logits_bytes):
+    grad = jax.grad(lambda h, e, y, w: chunked_loss.token_losses(
+        h, e, y, w, logits_bytes=logits_bytes).cross_entropy, argnums=(0, 1))
+    return jax.jit(grad).lower(hidden, table, targets, weights).compile(
+        ).memory_analysis().temp_size_in_bytes
+
+  whole = 4 * b * t * v
+  assert temp_bytes(whole) >= whole                 # one chunk: the logits are formed
+  assert temp_bytes(whole // 16) < whole // 4       # 16 chunks of 4 MiB
+
+
+@pytest.fixture(scope="module", params=["gemma3-tiny", "gemma4-tiny"])
+def model_case(request):
+  config = gj.get_config(request.param)
+  rng = np.random.default_rng(1)
+  tokens = jnp.asarray(rng.integers(0, config.model.vocab_size, (2, 17)), jnp.int32)
+  weights = jnp.asarray(rng.random((2, 16)) > 0.2, jnp.float32)
+  params = gj.transform(config).init(jax.random.key(0), tokens)
+  return config, tokens, weights, params
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_model_loss_matches_optax_over_apply(model_case, chunks, monkeypatch):
+  config, tokens, weights, params = model_case
+  monkeypatch.setattr(chunked_loss, "LOGITS_BYTES",
+                      4 * 2 * config.model.vocab_size * (-(-16 // chunks)))
+  model = gj.transform(config)   # traced afresh under the patched chunk budget
+
+  def reference(params):
+    logits = model.apply(params, tokens[:, :-1])
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return jnp.sum(weights * per_token)
+
+  def ours(params):
+    return model.loss(params, tokens[:, :-1], tokens[:, 1:], weights=weights).cross_entropy
+
+  want, want_grads = jax.value_and_grad(reference)(params)
+  got, grads = jax.value_and_grad(ours)(params)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(want_grads))
+  chex.assert_trees_all_close(grads, want_grads, atol=1e-5 * scale, rtol=0)
+
+
+def test_model_loss_names_bad_targets(model_case):
+  config, tokens, _, params = model_case
+  model = gj.transform(config)
+  with pytest.raises(ValueError, match=r"targets must have the shape of tokens"):
+    model.loss(params, tokens[:, :-1], tokens)
+  bad = tokens[:, 1:].at[1, 3].set(config.model.vocab_size)
+  with pytest.raises(ValueError, match=r"targets\[1, 3\] = .* outside the vocabulary"):
+    model.loss(params, tokens[:, :-1], bad)
