@@ -5,10 +5,11 @@
 #
 # 1. benchmarks/accelerator.py: train-step MFU per attention kernel, forward, decoding at
 #    batch 1 and 64 (about 200 s on an H200, most of it compiling);
-# 2. benchmarks/profile_step.py: that step's device time by kernel;
-# 3. benchmarks/attention_kernels.py: one attention layer per kernel;
-# 4. accelerator.py again, its step taking `model.loss` at twice the batch (8 x 2048
-#    ran out of memory with the logits).
+# 2. accelerator.py again, its step taking `model.loss` at twice the batch (8 x 2048
+#    ran out of memory with the logits);
+# 3. benchmarks/profile_step.py: the first step's device time by kernel;
+# 4. benchmarks/attention_kernels.py: one attention layer per kernel (measured before:
+#    last, so that a call cut short loses it first).
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
 # Packages the machine lacks travel as wheels in .wheels/ (git-ignored; name it in the
@@ -33,10 +34,10 @@ run() {  # seconds, log name, command...
   shift 2
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee "$out/$name.log"
 }
-run 260 accelerator python3 accelerator.py "${model[@]}" --steps=5 --out="$out/accelerator.json"
-run 150 profile_step python3 profile_step.py "${model[@]}" --out="$out/profile_step.json"
-run 90 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
-  --seq_len="${SEQ:-2048}" --out="$out/attention_kernels.json"
-run 200 accelerator_chunked python3 accelerator.py "${model[@]}" \
+run 240 accelerator python3 accelerator.py "${model[@]}" --steps=5 --out="$out/accelerator.json"
+run 170 accelerator_chunked python3 accelerator.py "${model[@]}" \
   --batch_size=$((2 * ${BATCH:-4})) --loss=chunked --kernels=einsum --decode_batch_sizes= \
   --steps=5 --out="$out/accelerator_chunked.json"
+run 120 profile_step python3 profile_step.py "${model[@]}" --out="$out/profile_step.json"
+run 60 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
+  --seq_len="${SEQ:-2048}" --out="$out/attention_kernels.json"

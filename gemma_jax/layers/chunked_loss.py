@@ -145,11 +145,14 @@ def _chunked_backward(logit_softcap, residuals, cotangents: TokenLosses):
   computed only when its cotangent is not zero; d weights: each position's terms."""
   hidden, table, targets, weights, log_z, target_logits, d_hidden, d_table = residuals
   g_ce, g_z, g_w = cotangents
-  z_hidden, z_table = jax.lax.cond(
-      g_z != 0, lambda: _z_loss_gradients(hidden, table, weights, logit_softcap),
-      lambda: (jnp.zeros_like(d_hidden), jnp.zeros_like(d_table)))
-  d_hidden = (g_ce * d_hidden.astype(jnp.float32) + g_z * z_hidden.astype(jnp.float32))
-  d_table = g_ce * d_table + g_z * z_table
+  cross_entropy = lambda: (g_ce * d_hidden.astype(jnp.float32), g_ce * d_table)
+
+  def with_z_loss():
+    z_hidden, z_table = _z_loss_gradients(hidden, table, weights, logit_softcap)
+    ce_hidden, ce_table = cross_entropy()
+    return ce_hidden + g_z * z_hidden.astype(jnp.float32), ce_table + g_z * z_table
+
+  d_hidden, d_table = jax.lax.cond(g_z != 0, with_z_loss, cross_entropy)
   d_weights = g_ce * (log_z - target_logits) + g_z * jnp.square(log_z) + g_w
   return (d_hidden.astype(hidden.dtype), d_table.astype(table.dtype),
           np.zeros(targets.shape, jax.dtypes.float0), d_weights)
