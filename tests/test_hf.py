@@ -17,6 +17,7 @@ from safetensors import torch as st_torch
 import gemma_jax as gj
 from gemma_jax import safetensors_io, sharded_read, sharding
 from gemma_jax.decoder import layer_types
+from gemma_jax.layers import chunked_loss
 import torch_reference
 from torch_reference import torch_logits
 
@@ -68,6 +69,31 @@ def test_loaded_logits_match_transformers(checkpoint, scan_layers):
   tokens = token_batch()
   ours = gj.transform(config).apply(params, jnp.asarray(tokens))
   assert np.abs(np.asarray(ours) - torch_logits(model, tokens)).max() <= 1e-4
+
+
+def test_loss_and_table_gradient_match_transformers_labels_loss(checkpoint, monkeypatch):
+  """`model.loss` over chunks of 5 positions (the soft-capped shape included) against
+  transformers' own `labels=` loss and its autograd gradient of the tied table."""
+  model, path = checkpoint
+  tokens = token_batch()
+  ids = torch.as_tensor(tokens.astype(np.int64))
+  model.zero_grad()
+  theirs = model(ids, labels=ids).loss
+  theirs.backward()
+  their_grad = model.model.embed_tokens.weight.grad.numpy()
+
+  monkeypatch.setattr(chunked_loss, "LOGITS_BYTES", 4 * tokens.shape[0] * VOCAB * 5)
+  config, params = gj.hf.load(path)
+  ours = gj.transform(config)
+
+  def mean_loss(params):
+    sums = ours.loss(params, jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:]))
+    return sums.cross_entropy / sums.weight
+
+  value, grads = jax.value_and_grad(mean_loss)(params)
+  np.testing.assert_allclose(value, theirs.item(), rtol=1e-5)
+  our_grad = np.asarray(grads["embed"]["embedding"])
+  assert np.abs(our_grad - their_grad).max() <= 1e-4 * np.abs(their_grad).max()
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
