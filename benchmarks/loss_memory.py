@@ -25,6 +25,8 @@ _PRESETS = flags.DEFINE_list("presets", ["gemma3-270m", "gemma3-1b"], "Model pre
 _LAYERS = flags.DEFINE_integer("num_layers", None, "Override the presets' depth.")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Rows per step.")
 _SEQ = flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
+_UNROLL = flags.DEFINE_string("scan_unroll", None, "config.model.scan_unroll; default the "
+                               "preset's ('auto': unrolled without remat).")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype (parameters float32).")
 _TIME = flags.DEFINE_bool("time", False, "Also run and time the steps (allocates them).")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Timed rounds with --time.")
@@ -39,6 +41,8 @@ def measure(preset: str) -> list:
   config.model.dtype = _DTYPE.value
   if _LAYERS.value:
     config.model.num_layers = _LAYERS.value
+  if _UNROLL.value:
+    config.model.scan_unroll = _UNROLL.value
   rows = (_BATCH.value, _SEQ.value)
   tokens = jax.ShapeDtypeStruct(rows, np.int32)
   steps, results = {}, []
@@ -48,6 +52,7 @@ def measure(preset: str) -> list:
     compiled = step.lower(params, opt_state, tokens).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     results.append({"preset": preset, "layers": config.model.num_layers, "rows": rows,
+                    "scan_unroll": config.model.scan_unroll,
                     "loss": loss, "temp_gib": temp / 2 ** 30})
     steps[loss] = (compiled, params, opt_state)
   if _TIME.value:
@@ -73,7 +78,7 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   results = [r for preset in _PRESETS.value for r in measure(preset)]
-  columns = ["preset", "layers", "rows", "loss", "temp_gib"] + (
+  columns = ["preset", "layers", "scan_unroll", "rows", "loss", "temp_gib"] + (
       ["step_s", "loss_value"] if _TIME.value else [])
   common.print_table(f"Train step memory, {_DTYPE.value} compute ({common.machine()['device']})",
                      columns, [[r[c] for c in columns] for r in results])
