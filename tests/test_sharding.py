@@ -22,6 +22,7 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import planning, sharding
+from gemma_jax.layers import chunked_loss
 from gemma_jax.training import checkpoints, data, metrics, steps
 from test_training import REPO, write_config_file
 
@@ -111,6 +112,19 @@ def test_sharded_losses_equal_single_device(single_device, name):
   sizes = dict(mesh.shape)
   assert embedding.addressable_shards[0].data.shape == (260 // sizes["tensor"],
                                                          32 // sizes["fsdp"])
+
+
+@pytest.mark.parametrize("name", ["data2_fsdp2_tensor2", "fsdp4_tensor2"])
+def test_chunked_loss_on_a_mesh_equals_single_device(single_device, name, monkeypatch):
+  """The loss over 4 chunks of 4 positions, batch and vocabulary sharded, against the
+  single device's whole logits."""
+  monkeypatch.setattr(chunked_loss, "LOGITS_BYTES", 4 * 8 * 260 * 4)
+  assert chunked_loss.chunk_length(8, 16, 260) == 4
+  mesh = sharding.make_mesh(config_with(MESHES[name]).mesh)
+  losses, state = run_steps(config_with(MESHES[name]), mesh)
+  np.testing.assert_allclose(losses, single_device[0], rtol=1e-5)
+  chex.assert_trees_all_close(jax.device_get(state.params),
+                              jax.device_get(single_device[1].params), atol=5e-4)
 
 
 def moe_config(mesh=None):
