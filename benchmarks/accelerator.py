@@ -16,6 +16,10 @@ Decoding: greedy, cached (`sampler.generate`, one jitted while loop), weights ca
 `--dtype` as a server holds them, `--prompt_len` prompt tokens then `--new_tokens`, at
 each of `--decode_batch_sizes`; tokens/s counts the new tokens of all rows.
 
+Memory: XLA's planned temporaries of the compiled step, and the device's peak bytes in
+use once its steps ran (the process's peak so far: it includes the kernels before it;
+none on a CPU).
+
 MFU = tokens/s x model FLOPs per token (`gemma_jax.training.flops`: 6 per matmul
 parameter, attention over the keys each query may see) / the device's peak: the datasheet's
 dense bfloat16 rate where the device is known (H100 and H200: 989 TFLOP/s), and, as a
@@ -106,10 +110,13 @@ def train_and_forward(kernel: str, tokens: jax.Array) -> dict:
     first_loss = value if first_loss is None else first_loss
 
   step_s = timed(run_step, _STEPS.value)
+  stats = jax.devices()[0].memory_stats() or {}      # None on a CPU
   params = state[0]
   forward_s = timed(lambda: jax.block_until_ready(forward(params, tokens)), _STEPS.value)
   return {"kernel": kernel, "first_loss": first_loss, "logits": logits,
-          "compile_s": compile_s, "train_step_s": step_s, "forward_s": forward_s}
+          "compile_s": compile_s, "train_step_s": step_s, "forward_s": forward_s,
+          "planned_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30,
+          "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2 ** 30}
 
 
 def decode(batch_size: int, params) -> dict:
@@ -160,7 +167,7 @@ def main(argv):
     rows.append([kernel, r["train_step_s"] * 1e3, r["train_tokens_per_s"],
                  f"{r['train_mfu']:.1%}", f"{r['train_mfu_of_matmul']:.1%}",
                  r["forward_tokens_per_s"], r["compile_s"], r["first_loss"],
-                 r["max_logit_difference_vs_first"]])
+                 r["max_logit_difference_vs_first"], r["planned_temp_gib"], r["peak_gib"]])
     print(rows[-1], flush=True)
 
   config = model_config("einsum")
@@ -173,7 +180,8 @@ def main(argv):
       f"{device}, {_PRESET.value} in {_DTYPE.value}, train and forward {b} x {t} tokens "
       f"(user loop: {LOSS_NAMES[_LOSS.value]}, optax AdamW, jax.jit), remat {_REMAT.value}",
       ["attention kernel", "step ms", "train tok/s", "MFU (datasheet)", "MFU (matmul)",
-       "forward tok/s", "compile s", "first loss", "max logit diff"], rows)
+       "forward tok/s", "compile s", "first loss", "max logit diff", "planned temp GiB",
+       "device peak GiB"], rows)
   common.print_table(
       f"{device}, {_PRESET.value} greedy decoding, {_PROMPT.value} prompt + {_NEW.value} new "
       f"tokens, weights in {_DTYPE.value}",
