@@ -131,6 +131,8 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     out = _forward(params, tokens, positions, segment_ids, images, rng, return_aux,
                    return_hidden=tied)
     head, aux = out if return_aux else (out, None)
+    ignored = targets < 0                      # transformers' -100: not counted
+    targets, weights = jnp.where(ignored, 0, targets), jnp.where(ignored, 0, weights)
     if tied:
       sums = chunked_loss.token_losses(*head, targets, weights,
                                        logit_softcap=model_config.final_logit_softcap)
@@ -195,14 +197,16 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
             model.loss(p, tokens[:, :-1], tokens[:, 1:])))(params)
 
     Args:
-      targets: [B, T] int ids in [0, vocab_size), the token expected at each position
-        (checked unless traced).
+      targets: [B, T] int ids below vocab_size (checked unless traced), the token
+        expected at each position; a negative id (transformers' -100) marks a position
+        that does not count, as weight 0 does.
       weights: [B, T] each position's weight (0: not counted); default all 1.
       The others: as `apply`'s.
     """
     checked = inputs(tokens, positions, segment_ids)
     _check_same_shape(tokens, targets, "targets")
-    _check_tokens(targets, model_config.vocab_size, "targets")
+    if not isinstance(targets, jax.core.Tracer):   # negative ids: ignored positions
+      _check_tokens(np.maximum(np.asarray(targets), 0), model_config.vocab_size, "targets")
     _check_same_shape(tokens, weights, "weights")
     weights = jnp.ones(tokens.shape, jnp.float32) if weights is None else weights
     towers.check_image_inputs(tokens, images, model_config)

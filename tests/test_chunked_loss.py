@@ -119,6 +119,18 @@ def test_model_loss_matches_optax_over_apply(model_case, chunks, monkeypatch):
   chex.assert_trees_all_close(grads, want_grads, atol=1e-5 * scale, rtol=0)
 
 
+def test_negative_targets_count_as_weight_zero(model_case):
+  """transformers' -100 labels: positions that do not count."""
+  config, tokens, weights, params = model_case
+  model = gj.transform(config)
+  targets = np.asarray(tokens[:, 1:])
+  ignored = np.asarray(weights) == 0
+  got = model.loss(params, tokens[:, :-1], jnp.asarray(np.where(ignored, -100, targets)))
+  want = model.loss(params, tokens[:, :-1], tokens[:, 1:], weights=weights)
+  chex.assert_trees_all_close(got, want, rtol=1e-6)
+  assert float(got.weight) == (~ignored).sum()
+
+
 def test_model_loss_names_bad_targets(model_case):
   config, tokens, _, params = model_case
   model = gj.transform(config)
