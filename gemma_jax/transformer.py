@@ -190,8 +190,8 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     (sums, aux) as `apply` gives aux.
 
     With the tied embedding (every Gemma) the [B, T, V] logits are never formed whole:
-    `layers.chunked_loss` takes them a chunk of positions at a time, in the forward and
-    the backward pass. Differentiate it for training:
+    `layers.chunked_loss` takes them a chunk of positions at a time, the cross-entropy's
+    gradient in the same pass. Differentiate it for training:
 
         grads = jax.grad(lambda p: (lambda s: s.cross_entropy / s.weight)(
             model.loss(p, tokens[:, :-1], tokens[:, 1:])))(params)
@@ -205,8 +205,9 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     """
     checked = inputs(tokens, positions, segment_ids)
     _check_same_shape(tokens, targets, "targets")
-    if not isinstance(targets, jax.core.Tracer):   # negative ids: ignored positions
-      _check_tokens(np.maximum(np.asarray(targets), 0), model_config.vocab_size, "targets")
+    concrete = not isinstance(targets, jax.core.Tracer)   # negative ids: ignored positions
+    _check_tokens(np.maximum(np.asarray(targets), 0) if concrete else targets,
+                  model_config.vocab_size, "targets")
     _check_same_shape(tokens, weights, "weights")
     weights = jnp.ones(tokens.shape, jnp.float32) if weights is None else weights
     towers.check_image_inputs(tokens, images, model_config)
