@@ -34,7 +34,8 @@ from gemma_jax.config import kv_sharing_modes, layer_types
 from gemma_jax.layers.attention import (CausalBlocks, CausalMask, attention_mask,
                                         causal_block_size, local_blocks, softcap)
 from gemma_jax.layers.embed import Embed, sinusoidal
-from gemma_jax.layers.linear import Linear, unfused
+from gemma_jax.layers.linear import Linear
+from gemma_jax.layers.matmul import unfused
 from gemma_jax.layers.per_layer_inputs import PerLayerInputs
 from gemma_jax.models.gemma3 import Gemma3Layer
 from gemma_jax.models.gemma4 import Gemma4Layer

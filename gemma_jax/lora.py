@@ -37,6 +37,7 @@ from ml_collections import config_dict
 from gemma_jax.config import ConfigError
 from gemma_jax.decoder import Decoder
 from gemma_jax.layers.linear import Linear
+from gemma_jax.layers.matmul import matmul
 
 ADAPTER_NAMES = ("lora_a", "lora_b")
 RANK_AXIS = "lora_rank"
@@ -70,8 +71,10 @@ def _adapt(lora: config_dict.FrozenConfigDict, deterministic: bool, matched: set
     keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - lora.dropout, x.shape)
     x = jnp.where(keep, x / (1.0 - lora.dropout), 0.0).astype(x.dtype)
   rows = x.shape[:x.ndim - k]
-  h = jnp.matmul(x.reshape(math.prod(rows), math.prod(in_shape)).astype(module.dtype),
-                 a.reshape(-1, r).astype(module.dtype))                  # [rows, r]
+  # x^T dh, A's gradient, runs 2-3x faster on a CPU with x transposed first (`matmul`);
+  # B's, h^T d, has the small side transposed already.
+  h = matmul(x.reshape(math.prod(rows), math.prod(in_shape)).astype(module.dtype),
+             a.reshape(-1, r).astype(module.dtype))                      # [rows, r]
   delta = jnp.matmul(h, b.reshape(r, -1).astype(module.dtype)) * (lora.alpha / r)
   return y + delta.reshape(rows + out_shape).astype(y.dtype)
 

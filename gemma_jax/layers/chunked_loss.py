@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax.layers.attention import softcap
+from gemma_jax.layers.matmul import transposed
 from gemma_jax.training.loss import TokenLosses
 
 LOGITS_BYTES = 1 << 28     # float32 logits per chunk: 256 MiB
@@ -92,9 +93,11 @@ def _chunked_losses(hidden, table, targets, weights, logit_softcap) -> TokenLoss
   return _sums(log_z, target_logits, weights)
 
 
-def _chunk_gradients(d_table, h, table, d_logits_of, logit_softcap):
+def _chunk_gradients(d_table_t, h, table, d_logits_of, logit_softcap):
   """One chunk's logits [B, C, V], d logits = d_logits_of(logits, log_z) through the
-  cap into (d_table + d table [V, D] float32, d hidden [B, C, D], log_z, logits)."""
+  cap into (d_table_t + d table^T [D, V] float32, d hidden [B, C, D], log_z, logits).
+  The table's gradient is summed transposed, h^T d logits, with h `transposed` (see
+  `matmul`): d logits^T h would contract both over their first dim."""
   logits = softcap(_logits(h, table).astype(jnp.float32), logit_softcap)
   log_z = jax.nn.logsumexp(logits, axis=-1)
   d_logits = d_logits_of(logits, log_z)
@@ -102,42 +105,42 @@ def _chunk_gradients(d_table, h, table, d_logits_of, logit_softcap):
     d_logits = d_logits * (1 - jnp.square(logits / logit_softcap))
   d_rows = d_logits.astype(h.dtype).reshape(-1, table.shape[0])         # [B * C, V]
   d_hidden = jnp.matmul(d_rows, table).reshape(h.shape)
-  d_table = d_table + jnp.matmul(d_rows.T, h.reshape(-1, h.shape[-1]),
-                                 preferred_element_type=jnp.float32)
-  return d_table, d_hidden, log_z, logits
+  d_table_t = d_table_t + jnp.matmul(transposed(h.reshape(-1, h.shape[-1])), d_rows,
+                                     preferred_element_type=jnp.float32)
+  return d_table_t, d_hidden, log_z, logits
 
 
 def _chunked_forward(hidden, table, targets, weights, logit_softcap):
   """The sums, and already the cross-entropy's gradients: d logits = w (p - onehot),
   so that the backward pass only scales them (no logits formed twice)."""
-  def chunk(d_table, inputs):
+  def chunk(d_table_t, inputs):
     h, y, w = inputs
     cross_entropy = lambda logits, log_z: w[..., None] * (
         jnp.exp(logits - log_z[..., None]) - jax.nn.one_hot(y, table.shape[0]))
-    d_table, d_hidden, log_z, logits = _chunk_gradients(d_table, h, table, cross_entropy,
-                                                        logit_softcap)
-    return d_table, (log_z, jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0],
-                     d_hidden)
+    d_table_t, d_hidden, log_z, logits = _chunk_gradients(d_table_t, h, table,
+                                                          cross_entropy, logit_softcap)
+    return d_table_t, (log_z, jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0],
+                       d_hidden)
 
-  d_table, (log_z, target_logits, d_hidden) = jax.lax.scan(
-      chunk, jnp.zeros(table.shape, jnp.float32), (hidden, targets, weights))
-  residuals = (hidden, table, targets, weights, log_z, target_logits, d_hidden, d_table)
+  d_table_t, (log_z, target_logits, d_hidden) = jax.lax.scan(
+      chunk, jnp.zeros(table.shape[::-1], jnp.float32), (hidden, targets, weights))
+  residuals = (hidden, table, targets, weights, log_z, target_logits, d_hidden, d_table_t.T)
   return _sums(log_z, target_logits, weights), residuals
 
 
 def _z_loss_gradients(hidden, table, weights, logit_softcap):
   """(d hidden, d table) of the z-loss sum: d logits = 2 w log_z p, the logits formed
   again chunk by chunk."""
-  def chunk(d_table, inputs):
+  def chunk(d_table_t, inputs):
     h, w = inputs
     z_loss = lambda logits, log_z: (2 * w * log_z)[..., None] * jnp.exp(
         logits - log_z[..., None])
-    d_table, d_hidden, _, _ = _chunk_gradients(d_table, h, table, z_loss, logit_softcap)
-    return d_table, d_hidden
+    d_table_t, d_hidden, _, _ = _chunk_gradients(d_table_t, h, table, z_loss, logit_softcap)
+    return d_table_t, d_hidden
 
-  d_table, d_hidden = jax.lax.scan(chunk, jnp.zeros(table.shape, jnp.float32),
-                                   (hidden, weights))
-  return d_hidden, d_table
+  d_table_t, d_hidden = jax.lax.scan(chunk, jnp.zeros(table.shape[::-1], jnp.float32),
+                                     (hidden, weights))
+  return d_hidden, d_table_t.T
 
 
 def _chunked_backward(logit_softcap, residuals, cotangents: TokenLosses):

@@ -7,6 +7,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from gemma_jax.layers.matmul import matmul_transposed
+
 
 def sinusoidal(positions: jax.Array, dim: int, max_wavelength: float = 10_000.0) -> jax.Array:
   """positions [B, T] -> [B, T, dim] float32: [sin(p w_i), cos(p w_i)] for i < dim/2,
@@ -48,7 +50,7 @@ class Embed(nn.Module):
 
   def attend(self, x: jax.Array) -> jax.Array:
     """x: [B, T, D] -> logits [B, T, V] in the compute dtype (one [B*T, D] x [D, V]
-    matmul, whose gradients are plain matmuls too, see `linear.Linear`)."""
+    matmul, whose gradients are plain matmuls too, see `matmul.matmul_transposed`)."""
     rows = x.reshape(-1, x.shape[-1])
-    logits = jnp.matmul(rows, self.embedding.astype(self.dtype).T)
+    logits = matmul_transposed(rows, self.embedding.astype(self.dtype))
     return logits.reshape(*x.shape[:-1], self.vocab_size)

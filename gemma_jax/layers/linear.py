@@ -7,16 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-
-def unfused(x: jax.Array) -> jax.Array:
-  """x itself, through an identity op that XLA keeps (rounding to x's own precision).
-
-  Before the logits it keeps XLA's CPU backend from fusing the logits matmul with the
-  last layer's matmuls into one YNNPACK subgraph, which from about 4096 rows on ran far
-  slower than its parts (a d512 model's 1 x 4096 forward: 12.3 s fused, 2.9 s not).
-  """
-  info = jnp.finfo(x.dtype)
-  return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+from gemma_jax.layers.matmul import matmul
 
 
 class Linear(nn.Module):
@@ -65,4 +56,4 @@ class Linear(nn.Module):
 
   def product(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x [R, I] @ kernel [I, O] (a hook: int8 training quantizes both)."""
-    return jnp.matmul(x, kernel)
+    return matmul(x, kernel)
