@@ -18,8 +18,6 @@ from typing import Iterator, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from gemma_jax.layers.matmul import transposed
-
 BLOCK_ROWS = (128, 32)   # row tiers, largest first; benchmarks/moe_dispatch.py times choices
 
 
@@ -91,7 +89,7 @@ def _weight_grad(rows, grad_out, group_sizes, blocks):
         own = (jnp.arange(block) < size - offset - i * block)[:, None]   # not the next group's
         x = jnp.where(own, jax.lax.dynamic_slice(rows, (row, 0), (block, d)), 0)
         g = jax.lax.dynamic_slice(grad_out, (row, 0), (block, f))
-        return total + jnp.matmul(transposed(x), g, preferred_element_type=jnp.float32)
+        return total + jnp.matmul(x.T, g, preferred_element_type=jnp.float32)
       total = jax.lax.fori_loop(0, count, step, total)
     return None, total
 
