@@ -72,3 +72,12 @@ def test_weight_gradients_take_the_rows_transposed_on_cpu():
   # ... and neither function leaves one.
   assert _left_rows_contracted(grad(mm.matmul), x, w) == 0
   assert _left_rows_contracted(grad(mm.matmul_transposed), x, w.T) == 0
+
+
+def test_only_the_cpu_gets_the_barred_transposes():
+  x, w, c = (jnp.asarray(a, jnp.float32) for a in _inputs())
+  grad = jax.jit(jax.grad(lambda x, w: jnp.sum(c * mm.matmul(x, w))
+                          + jnp.sum(c * mm.matmul_transposed(x, w.T)), argnums=(0, 1)))
+  barriers = {platform: grad.trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+              .count("optimization_barrier") for platform in ("cpu", "cuda", "tpu")}
+  assert barriers == {"cpu": 3, "cuda": 0, "tpu": 0}    # x^T twice, x^T d once
