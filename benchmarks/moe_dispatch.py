@@ -7,8 +7,8 @@ For each expert count: the forward, and the forward + backward (gradients of x a
 every weight), of each dispatch on the same routing, plus "routed": the same matmuls on
 the M * k routed rows with one expert's weights and no routing at all (the work a
 perfect grouped matmul would do). The loop dispatch is also timed with other row
-blocks: "32" one tier, "128+32" two (`grouped_matmul.BLOCK_ROWS` is the default), and
-for each the rows its grouped matmuls multiply per routed row (`work`: the work done
+blocks: "32" one tier, "128+32" two (`grouped_mlp.BLOCK_ROWS` is the default), and
+for each the rows its loop runs per routed row (`work`: the work done
 over the work needed; its blocks' padding). Times are medians in ms.
 """
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import common
-from gemma_jax.layers import expert_dispatch, grouped_matmul
+from gemma_jax.layers import expert_dispatch, grouped_mlp
 from gemma_jax.layers.mlp import ACTIVATIONS
 
 _EXPERTS = flags.DEFINE_list("experts", ["8", "16", "32", "64", "128"], "Expert counts E.")
@@ -82,7 +82,7 @@ def main(argv):
       row[f"loop_blocks_{tiers}"] = timings(loop, *args)
       sizes = jnp.bincount(args[1].reshape(-1), length=num_experts)
       row[f"loop_blocks_{tiers}"]["work"] = float(
-          grouped_matmul.computed_rows(sizes, blocks) / args[1].size)
+          grouped_mlp.computed_rows(sizes, blocks) / args[1].size)
     results.append(row)
     print(f"E={num_experts}: " + ", ".join(
         f"{k} {v['forward']:.1f}/{v['backward']:.1f}" + (f" (work {v['work']:.3f}x)"

@@ -18,7 +18,7 @@ import pytest
 from absl.testing import parameterized
 
 import gemma_jax as gj
-from gemma_jax.layers import expert_dispatch, grouped_matmul, moe
+from gemma_jax.layers import expert_dispatch, grouped_mlp, moe
 from gemma_jax.training import metrics, steps
 from test_training import REPO
 
@@ -109,25 +109,77 @@ class DispatchTest(chex.TestCase):
                                   rtol=1e-5, atol=1e-5, custom_message=name)
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters((16, 4), (32,), grouped_matmul.BLOCK_ROWS)
-  def test_grouped_matmul_and_its_vjp_match_float64(self, *blocks):
+  @parameterized.parameters((16, 4), (32,), grouped_mlp.BLOCK_ROWS)
+  def test_grouped_mlp_and_its_vjp_match_float64(self, *blocks):
+    """Output and all four gradients against numpy in float64, with tanh(gate) * up as
+    the hidden function (its derivative written out below)."""
     rng = np.random.RandomState(2)
     sizes = np.array([5, 0, 70, 1, 33], np.int32)   # an empty group; whole, partial blocks
-    rows = rng.normal(size=(sizes.sum(), 6)).astype(np.float32)
-    weights = rng.normal(size=(5, 6, 4)).astype(np.float32)
-    grad_out = rng.normal(size=(sizes.sum(), 4)).astype(np.float32)
-    group = np.repeat(np.arange(5), sizes)
-    w64 = weights.astype(np.float64)[group]                              # [A, D, F]
-    expected = np.einsum("ad,adf->af", rows, w64)
-    expected_rows = np.einsum("af,adf->ad", grad_out, w64)
-    expected_weights = np.stack([rows[group == e].T.astype(np.float64) @ grad_out[group == e]
-                                 for e in range(5)])
-    matmul = lambda r, w: grouped_matmul.grouped_matmul(r, w, sizes, blocks)
-    out, vjp = self.variant(lambda r, w: jax.vjp(matmul, r, w))(rows, weights)
-    grad_rows, grad_weights = vjp(grad_out)
+    e, d, f = 5, 6, 4
+    rows = rng.normal(size=(sizes.sum(), d)).astype(np.float32)
+    gate, up = (rng.normal(size=(e, d, f)).astype(np.float32) * 0.5 for _ in range(2))
+    down = rng.normal(size=(e, f, d)).astype(np.float32) * 0.5
+    grad_out = rng.normal(size=(sizes.sum(), d)).astype(np.float32)
+    group = np.repeat(np.arange(e), sizes)
+    x, dy = rows.astype(np.float64), grad_out.astype(np.float64)
+    wg, wu, wd = (w.astype(np.float64)[group] for w in (gate, up, down))   # [A, ...]
+    g, u = np.einsum("ad,adf->af", x, wg), np.einsum("ad,adf->af", x, wu)
+    h = np.tanh(g) * u
+    expected = np.einsum("af,afd->ad", h, wd)
+    dh = np.einsum("ad,afd->af", dy, wd)
+    dg, du = dh * u * (1 - np.tanh(g) ** 2), dh * np.tanh(g)
+    expected_rows = np.einsum("af,adf->ad", dg, wg) + np.einsum("af,adf->ad", du, wu)
+    per_group = lambda p, q: np.stack([p[group == i].T @ q[group == i] for i in range(e)])
+    expected_weights = (per_group(x, dg), per_group(x, du), per_group(h, dy))
+
+    mlp = lambda r, *w: grouped_mlp.grouped_mlp(r, *w, sizes, lambda a, b: jnp.tanh(a) * b,
+                                                blocks)
+    out, vjp = self.variant(lambda *a: jax.vjp(mlp, *a))(rows, gate, up, down)
+    grads = vjp(grad_out)
+    chex.assert_shape(out, rows.shape)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(grad_rows, expected_rows, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(grad_weights, expected_weights, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(grads[0], expected_rows, rtol=1e-5, atol=1e-5)
+    for got, want, name in zip(grads[1:], expected_weights, ("gate", "up", "down")):
+      chex.assert_shape(got, want.shape)
+      np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+  def test_grouped_mlp_names_a_hidden_function_closing_over_arrays(self):
+    x, ids, weights, gate, up, down = expert_problem()
+    scale = jnp.float32(2.0)
+
+    def loss(scale):
+      hidden = lambda g, u: scale * g * u        # scale would get no gradient
+      return jnp.sum(expert_dispatch.loop(x, ids, weights, gate, up, down, hidden))
+    with self.assertRaisesRegex(ValueError, r"hidden\(gate, up\) must depend on its inputs"):
+      jax.grad(loss)(scale)
+
+  def test_the_loop_backward_runs_an_intercepted_hidden_hook(self):
+    """`Experts.hidden` is a hook (int8 training rounds its output through an
+    interceptor). The loop's backward pass is traced after the layer's apply has
+    returned, yet must run the hook as intercepted in the forward pass: here one that
+    doubles the hidden activations, which doubles the down projection's gradient
+    contribution. Gradients equal the dense dispatch's under the same interceptor."""
+    x, ids, weights, gate, up, down = expert_problem()
+    routing = moe.Routing(None, None, jnp.asarray(ids), jnp.asarray(weights))
+    target = np.random.RandomState(1).normal(size=x.shape).astype(np.float32)
+
+    def doubled(next_fun, args, kwargs, context):
+      out = next_fun(*args, **kwargs)
+      return 2 * out if context.method_name == "hidden" else out
+
+    def grads(dispatch, intercept):
+      layer = moe.Experts(gate.shape[0], gate.shape[2], dispatch=dispatch)
+
+      def loss(params, x):   # as the model applies quantization: around the apply only
+        with nn.intercept_methods(doubled if intercept else lambda f, a, k, _: f(*a, **k)):
+          out = layer.apply({"params": params}, x, routing)
+        return jnp.sum(jnp.sin(out) * target)
+      return jax.grad(loss, argnums=(0, 1))({"gate": gate, "up": up, "down": down}, x)
+
+    plain = grads("loop", False)
+    reference = grads("dense", True)
+    chex.assert_trees_all_close(grads("loop", True), reference, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(plain[0]["down"], reference[0]["down"], rtol=1e-2)
 
   @parameterized.parameters((128, 32), (32,), (256, 128, 32))
   def test_computed_rows_count_each_groups_padded_blocks(self, *blocks):
@@ -145,7 +197,7 @@ class DispatchTest(chex.TestCase):
     for group_sizes in (sizes, sizes[:4]):
       total = int(group_sizes.sum())
       want = sum(by_hand(int(size), total) for size in group_sizes)
-      self.assertEqual(int(grouped_matmul.computed_rows(jnp.asarray(group_sizes), blocks)), want)
+      self.assertEqual(int(grouped_mlp.computed_rows(jnp.asarray(group_sizes), blocks)), want)
 
   def test_auto_picks_the_loop_on_cpu_and_gather_for_few_rows(self):
     self.assertEqual(jax.default_backend(), "cpu")

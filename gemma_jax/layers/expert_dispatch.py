@@ -14,21 +14,20 @@ dropless: every assignment is computed, however unbalanced the routing.
            projection (`jax.lax.ragged_dot`), then unsorted and combined. Native on GPU
            and TPU; XLA's CPU backend lowers ragged_dot to a masked product over every
            expert, E times the work.
-  loop     sorted the same way, the grouped matmuls as loops over experts and blocks
-           of rows (`grouped_matmul`): the routed work plus less than one small block
-           per expert. For the CPU.
+  loop     sorted the same way, the experts' MLPs as one loop over experts and blocks
+           of rows (`grouped_mlp`): the routed work plus less than one small block per
+           expert. For the CPU.
   gather   each assignment's expert weights gathered and applied to its token: the
            routed work exactly, reading M * k expert matrices. For few tokens (decoding),
            where that is fewer than the E every grouped matmul reads.
 """
 
-import functools
 from typing import Callable, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from gemma_jax.layers import grouped_matmul
+from gemma_jax.layers import grouped_mlp
 
 
 def _sort_by_expert(expert_ids: jax.Array, num_experts: int):
@@ -55,30 +54,30 @@ def dense(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Array
   return jnp.einsum("emd,me->md", out, combine)
 
 
-def _sorted(x, expert_ids, weights, gate, up, down, hidden, matmul) -> jax.Array:
-  """Assignments sorted by expert, the grouped `matmul(rows, w, group_sizes)` per
-  projection, then unsorted and combined."""
+def _sorted(x, expert_ids, weights, num_experts: int, mlp: Callable) -> jax.Array:
+  """Assignments sorted by expert, `mlp(rows, group_sizes)` on them ([A, D] -> [A, D]),
+  then unsorted and combined."""
   k = expert_ids.shape[1]
-  order, sizes = _sort_by_expert(expert_ids, gate.shape[0])
-  rows = x[order // k]                                                      # [A, D]
-  project = lambda a, w: matmul(a, w, sizes)
-  out = project(hidden(project(rows, gate), project(rows, up)), down)      # [A, D] sorted
+  order, sizes = _sort_by_expert(expert_ids, num_experts)
+  out = mlp(x[order // k], sizes)                                          # [A, D] sorted
   inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=order.dtype))
   return _combine(out[inverse], weights)
 
 
 def ragged(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Array:
-  """Grouped matmuls by `jax.lax.ragged_dot`."""
-  matmul = functools.partial(jax.lax.ragged_dot, preferred_element_type=x.dtype)
-  return _sorted(x, expert_ids, weights, gate, up, down, hidden, matmul)
+  """Grouped matmuls by `jax.lax.ragged_dot`, one per projection."""
+  def mlp(rows, sizes):
+    project = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=x.dtype)
+    return project(hidden(project(rows, gate), project(rows, up)), down)
+  return _sorted(x, expert_ids, weights, gate.shape[0], mlp)
 
 
 def loop(x, expert_ids, weights, gate, up, down, hidden: Callable,
-         blocks: Tuple[int, ...] = grouped_matmul.BLOCK_ROWS) -> jax.Array:
-  """Grouped matmuls by `grouped_matmul.grouped_matmul`: loops over experts and blocks
-  of rows, in the tiers `blocks` (largest first)."""
-  matmul = lambda rows, w, sizes: grouped_matmul.grouped_matmul(rows, w, sizes, blocks)
-  return _sorted(x, expert_ids, weights, gate, up, down, hidden, matmul)
+         blocks: Tuple[int, ...] = grouped_mlp.BLOCK_ROWS) -> jax.Array:
+  """The experts' MLPs by `grouped_mlp.grouped_mlp`: one loop over experts and blocks of
+  rows, in the tiers `blocks` (largest first)."""
+  mlp = lambda rows, sizes: grouped_mlp.grouped_mlp(rows, gate, up, down, sizes, hidden, blocks)
+  return _sorted(x, expert_ids, weights, gate.shape[0], mlp)
 
 
 def gather(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Array:
