@@ -162,9 +162,10 @@ class TestExperts(chex.TestCase):
   def setUp(self):
     super().setUp()
     self.m, self.d, self.f, self.e, self.k = 12, 16, 8, 4, 2
-    self.x = jnp.asarray(exact_scales(RNG.normal(size=(self.m, self.d)), 1))
-    ids = np.stack([RNG.permutation(self.e)[:self.k] for _ in range(self.m)])
-    weights = RNG.uniform(0.1, 1.0, size=(self.m, self.k))
+    rng = np.random.default_rng(0)   # its own: the module's RNG depends on the test order
+    self.x = jnp.asarray(exact_scales(rng.normal(size=(self.m, self.d)), 1))
+    ids = np.stack([rng.permutation(self.e)[:self.k] for _ in range(self.m)])
+    weights = rng.uniform(0.1, 1.0, size=(self.m, self.k))
     self.routing = Routing(None, None, jnp.asarray(ids, jnp.int32),
                            jnp.asarray(weights, jnp.float32))
 
@@ -178,7 +179,9 @@ class TestExperts(chex.TestCase):
   def test_every_dispatch_equals_numpy(self):
     """Inputs and weights have exact scales (see `exact_scales`); a hidden row's largest
     value is a tie that may round either way, so each token may differ from numpy by one
-    quantum of one hidden value per slot: `slack`."""
+    quantum of one hidden value per slot (`slack`), and two dispatches by twice that (the
+    loop computes the hidden values in another fusion than dense, and a last-bit
+    difference can turn a tie)."""
     params = {name: exact_scales(w, 1) for name, w in
               nn.meta.unbox(self.run_experts("dense")).items()}
 
@@ -201,7 +204,7 @@ class TestExperts(chex.TestCase):
         slack[t] += weight * scale[0, 0] * np.abs(down[e]).max(axis=0)
     outputs = {name: self.run_experts(name, params) for name in expert_dispatch.DISPATCHES}
     for name, out in outputs.items():
-      np.testing.assert_allclose(out, outputs["dense"], rtol=1e-5, atol=1e-5, err_msg=name)
+      np.testing.assert_array_less(np.abs(out - outputs["dense"]), 2 * slack, err_msg=name)
       assert np.all(np.abs(out - expected) <= slack), name
     assert np.any(np.abs(outputs["dense"] - unrounded) > slack)   # the hidden was rounded
 
