@@ -16,10 +16,11 @@ from gemma_jax import host_memory
 host_memory.keep_freed_memory_on_cpu()
 
 # pylint: disable=wrong-import-position   (malloc is set before jax is imported)
+from gemma_jax import compilation_cache
 from gemma_jax import hf
 from gemma_jax.config import ConfigError, default_config, validate
 from gemma_jax.presets import PRESETS, get_config
 from gemma_jax.transformer import Transformed, transform
 
-__all__ = ["ConfigError", "PRESETS", "Transformed", "default_config", "get_config", "hf",
-           "transform", "validate"]
+__all__ = ["ConfigError", "PRESETS", "Transformed", "compilation_cache", "default_config",
+           "get_config", "hf", "transform", "validate"]

@@ -1,12 +1,14 @@
 """What every absl app in experiments/ shares: `run(main)` instead of `absl.app.run(main)`,
 and `define_model_flags()` for the apps that run a trained model.
 
-It keeps absl's behaviour (--help, flags, UsageError) and adds two things:
+It keeps absl's behaviour (--help, flags, UsageError) and adds three things:
 - a bad --config file or --config.* override ends with one line on stderr that names
   the field (`train.py: error: --config.train.stepz: config.train has no field 'stepz';
   did you mean 'steps'?`) and exit status 2, instead of a traceback;
 - the console keeps to what the user asked for: absl, orbax and JAX's INFO lines (JAX's
-  backend probing among them) are hidden unless --verbosity is given.
+  backend probing among them) are hidden unless --verbosity is given;
+- compiled programs are kept on disk for the next run (`gemma_jax.compilation_cache`;
+  --compilation_cache_dir= turns that off).
 """
 
 import difflib
@@ -24,16 +26,23 @@ from absl import logging
 from ml_collections import config_dict
 from ml_collections.config_flags import config_flags
 
+from gemma_jax import compilation_cache
 from gemma_jax import config as config_lib
 from gemma_jax import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 USAGE_ERROR = 2   # the exit status of a refused command line, as argparse's
 
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache_dir", None, "Where compiled programs are kept for the next run; "
+    "default: $JAX_COMPILATION_CACHE_DIR if set, else "
+    f"{compilation_cache.default_directory()}. Empty: no cache.")
+
 
 def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None) -> None:
-  """absl.app.run(main) with one-line config errors and a quiet console."""
-  app.run(_quietly(main), argv=argv, flags_parser=parse_flags)
+  """absl.app.run(main) with one-line config errors, a quiet console and the compilation
+  cache on."""
+  app.run(_quietly(_with_compilation_cache(main)), argv=argv, flags_parser=parse_flags)
 
 
 class ModelFlags(NamedTuple):
@@ -77,6 +86,17 @@ def define_model_flags() -> ModelFlags:
                         "projections' weights as integers (int4 in groups of the config's "
                         "model.quant_group_size); int8 / fp8 round weights and activations. "
                         "Default: as trained."))
+
+
+def _with_compilation_cache(main):
+  """main, after `compilation_cache.enable(--compilation_cache_dir)`."""
+
+  @functools.wraps(main)
+  def cached_main(argv):
+    compilation_cache.enable(_COMPILATION_CACHE.value)
+    return main(argv)
+
+  return cached_main
 
 
 def _quietly(main):

@@ -1,6 +1,7 @@
 """gemma_jax.apps through tests/apps_fixture.py, run as its own process: a bad --config
 file or override is one stderr line and exit status 2; absl's --help, flag errors and
-UsageError are kept; INFO logging (JAX's backend probing too) only with --verbosity."""
+UsageError are kept; INFO logging (JAX's backend probing too) only with --verbosity;
+compiled programs are kept for the next run (--compilation_cache_dir)."""
 
 import os
 import re
@@ -15,11 +16,13 @@ CONFIG = "--config=configs/gemma3_tiny.py"   # train.steps is 500 there
 INFO_LINE = re.compile(r"^I\d{4} ", re.MULTILINE)   # absl's INFO prefix: I, then mmdd
 
 
-def fixture(*flags):
-  """(exit status, stdout, stderr) of the fixture app run from the repository root."""
+def fixture(*flags, env=None):
+  """(exit status, stdout, stderr) of the fixture app run from the repository root, in
+  this process's environment with `env` on top (a None value unsets the variable)."""
+  env = {key: value for key, value in {**os.environ, "XLA_FLAGS": "", **(env or {})}.items()
+         if value is not None}
   result = subprocess.run([sys.executable, FIXTURE, *flags], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, env=dict(os.environ, XLA_FLAGS=""),
-                          check=False)
+                          cwd=ROOT, timeout=120, env=env, check=False)
   return result.returncode, result.stdout, result.stderr
 
 
@@ -85,3 +88,30 @@ def test_absl_behaviour_is_kept():
   assert status == 1 and "Flag --config must have a value other than None." in err
   status, _, err = fixture(CONFIG, "surplus")   # main raises app.UsageError
   assert status == 1 and err.rstrip().endswith("unexpected arguments: ['surplus']")
+
+
+def test_a_second_run_loads_the_compiled_program_from_the_cache(tmp_path):
+  cache = tmp_path / "xla"
+  runs = [fixture(CONFIG, "--compile", f"--compilation_cache_dir={cache}") for _ in range(2)]
+  assert runs == [(0, f"steps=500 on cpu\ncache={cache} loaded={loaded}\n", "")
+                  for loaded in (False, True)]
+  assert any(cache.iterdir())
+
+
+def test_the_default_cache_is_jax_s_own_setting_else_under_the_user_cache(tmp_path):
+  own = tmp_path / "own"
+  assert fixture(CONFIG, "--compile", env={"JAX_COMPILATION_CACHE_DIR": str(own)}) == (
+      0, f"steps=500 on cpu\ncache={own} loaded=False\n", "")
+  default = tmp_path / "cache_home" / "gemma_jax" / "xla"
+  env = {"JAX_COMPILATION_CACHE_DIR": None, "XDG_CACHE_HOME": str(tmp_path / "cache_home")}
+  assert [fixture(CONFIG, "--compile", env=env) for _ in range(2)] == [
+      (0, f"steps=500 on cpu\ncache={default} loaded={loaded}\n", "")
+      for loaded in (False, True)]
+  assert any(own.iterdir())
+
+
+def test_an_empty_cache_dir_turns_the_cache_off(tmp_path):
+  env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path)}
+  assert [fixture(CONFIG, "--compile", "--compilation_cache_dir=", env=env)
+          for _ in range(2)] == [(0, "steps=500 on cpu\ncache=None loaded=False\n", "")] * 2
+  assert not any(tmp_path.iterdir())
