@@ -2,10 +2,10 @@
 loads it instead of compiling it again.
 
 XLA compiles every app's programs anew in each process: gemma4-moe-tiny's training step
-takes ~20 s to compile on a 2-core CPU, a published model's decoding programs longer on
-a GPU. JAX's persistent compilation cache keeps the executables, keyed by the program,
-its compile options, the backend and the jax version, and loads them on a later run
-(that step: 2.3 s). The apps in experiments/ turn it on (`gemma_jax.apps`,
+takes ~20 s to compile on a 2-core CPU. JAX's persistent compilation cache keeps the
+executables, keyed by the program, its compile options, the backend and the jax
+version, and loads them on a later run (that step: 2-3 s,
+`benchmarks/compile_time.py --cached`). The apps in experiments/ turn it on (`gemma_jax.apps`,
 --compilation_cache_dir); a user's own program turns it on with `enable()`.
 """
 
