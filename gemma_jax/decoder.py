@@ -24,6 +24,7 @@ With `per_layer_input_dim` the decoder computes every layer's per-layer input fi
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
+from flax.linen import module as flax_module
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,6 +150,20 @@ def _with_remat(module_cls, config, prevent_cse):
                   prevent_cse=prevent_cse)
 
 
+def _traced_once(layer_cls):
+  """`layer_cls` under `nn.jit`, made afresh per call: the layers built from it with
+  equal fields (attention type, sharing mode) then share one trace, so lowering a
+  program traces each kind of layer once, not every layer (XLA still gets every layer:
+  the compiled program is unchanged). Not while a method interceptor (LoRA,
+  quantization, a user's) or `capture_intermediates` is active: what those do may
+  depend on a layer's path, which nn.jit's cache key leaves out."""
+  # Flax keeps both stacks private; read them so that no path-dependent hook is skipped.
+  capture = flax_module._context.capture_stack
+  if flax_module._global_interceptor_stack or (capture and capture[-1]):
+    return layer_cls
+  return nn.jit(layer_cls)
+
+
 def _layer_options(kv_sharing: Optional[str]) -> dict:
   """The layer fields beyond Gemma 3's: only Gemma 4 shares keys and values."""
   return {"kv_sharing": kv_sharing} if kv_sharing else {}
@@ -174,11 +189,12 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, positions, masks, per_layer=None, shared_kv=None):
     c = self.config
+    layer_cls = _traced_once(LAYERS[c.block_type])
     for j, kind in enumerate(c.attention_pattern):
       extra = _gemma4_inputs(c, None if per_layer is None else per_layer[j],
                              None if shared_kv is None else shared_kv[kind])
-      x = LAYERS[c.block_type](c, kind, self.deterministic, name=f"layer_{j}",
-                               **_layer_options(self.kv_sharing))(x, positions, masks, *extra)
+      x = layer_cls(c, kind, self.deterministic, name=f"layer_{j}",
+                    **_layer_options(self.kv_sharing))(x, positions, masks, *extra)
     return x, None
 
 
@@ -267,7 +283,7 @@ class Decoder(nn.Module):
     period = len(c.attention_pattern)
     types, modes = layer_types(c), kv_sharing_modes(c)
     segments = {s.start: s for s in scan_segments(c)}
-    layer_cls = _with_remat(LAYERS[c.block_type], c, prevent_cse=True)
+    layer_cls = _with_remat(_traced_once(LAYERS[c.block_type]), c, prevent_cse=True)
     shared = {}          # attention type -> (keys, values) of its "store" layer
     i = 0
     while i < c.num_layers:

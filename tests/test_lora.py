@@ -182,6 +182,22 @@ def test_target_matching_nothing_is_a_config_error():
   lora.check_targets(config)
 
 
+def test_a_target_in_one_layer_adapts_that_layer_only():
+  """Layers 0 and 2 are alike (both local), but only layer 0's q is targeted: it alone
+  gets adapters, and the model runs as the plain one on the merged weights."""
+  config = lora_config(scan_layers=False)
+  config.lora.targets = (r"layers_0/attn/q/kernel$",)
+  shapes = flax.traverse_util.flatten_dict(lora.adapter_shapes(config))
+  assert {path[:-1] for path in shapes} == {("layers_0", "attn", "q")}
+  params = randomized(gj.transform(config).init(jax.random.key(0), tokens()))
+  base, _ = lora.split(params)
+  plain = gj.transform(lora.disabled(config))
+  got = gj.transform(config).apply(params, tokens())
+  assert np.abs(got - plain.apply(base, tokens())).max() > 0.1
+  np.testing.assert_allclose(got, plain.apply(lora.merge(config, params), tokens()),
+                             rtol=1e-4, atol=1e-4)
+
+
 def test_targets_select_projections():
   config = lora_config()
   config.lora.targets = (r"attn/(q|v)/kernel$",)

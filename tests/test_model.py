@@ -11,7 +11,7 @@ import pytest
 from absl.testing import parameterized
 
 import gemma_jax as gj
-from gemma_jax import decoder, remat
+from gemma_jax import decoder, modules, remat
 from gemma_jax.layers.attention import CausalBlocks, CausalMask, LocalBlocks
 from gemma_jax.transformer import positions_from_segments
 
@@ -184,6 +184,61 @@ def test_positions_past_the_learned_table_raise_named_errors():
                              atol=1e-5)
   np.testing.assert_allclose(packed[:, 10:], model.apply(params, toks[:, 10:]), rtol=1e-5,
                              atol=1e-5)
+
+
+def _sub_jaxprs(eqn):
+  for value in eqn.params.values():
+    for v in value if isinstance(value, (tuple, list)) else (value,):
+      if isinstance(v, jax.extend.core.ClosedJaxpr):
+        yield v.jaxpr
+      elif isinstance(v, jax.extend.core.Jaxpr):
+        yield v
+
+
+def _has_matmul(jaxpr) -> bool:
+  return any(eqn.primitive.name == "dot_general" or any(map(_has_matmul, _sub_jaxprs(eqn)))
+             for eqn in jaxpr.eqns)
+
+
+def _layer_calls(fn, *args) -> list:
+  """The jaxprs of the nested jit calls in fn's trace that hold a matmul but no such
+  call (the layers under `nn.jit`; jnp's own jitted helpers hold none), one per call."""
+  calls = []
+
+  def walk(jaxpr) -> bool:   # whether jaxpr holds a call counted here
+    found = False
+    for eqn in jaxpr.eqns:
+      inner = [walk(sub) for sub in _sub_jaxprs(eqn)]
+      if eqn.primitive.name in ("jit", "pjit") and not any(inner) and _has_matmul(
+          eqn.params["jaxpr"].jaxpr):
+        calls.append(eqn.params["jaxpr"])
+        inner.append(True)
+      found = found or any(inner)
+    return found
+  walk(jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr)   # a new function: no cached trace
+  return calls
+
+
+def test_layers_of_one_kind_are_traced_once():
+  """Lowering traces one layer per attention type: 8 unscanned layers (7 local, 1
+  global) are 8 calls of 2 traces. Under a method interceptor, whose effect may depend on
+  a layer's path, each layer is traced in place; the compiled logits are the same to
+  the bit."""
+  config = tiny(scan_layers=False)
+  toks = tokens()
+  params = gj.transform(config).init(jax.random.key(0), toks)
+  positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+  apply = lambda p: modules.decoder(config).apply(p, toks, positions, jnp.ones_like(toks))
+  calls = _layer_calls(apply, {"params": params})
+  assert len(calls) == 8 and len({id(c) for c in calls}) == 2
+  with nn.intercept_methods(lambda fun, args, kwargs, context: fun(*args, **kwargs)):
+    assert _layer_calls(apply, {"params": params}) == []
+    want = jax.jit(lambda p: apply(p))({"params": params})
+  np.testing.assert_array_equal(jax.jit(lambda p: apply(p))({"params": params}), want)
+  _, state = modules.decoder(config).apply(
+      {"params": params}, toks, positions, jnp.ones_like(toks),
+      capture_intermediates=lambda module, method: module.name == "layers_3")
+  assert list(state["intermediates"]) == ["layers_3"]   # a path-dependent capture too
 
 
 def test_long_rows_run_local_layers_in_window_blocks():
