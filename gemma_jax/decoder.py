@@ -157,9 +157,10 @@ def _traced_once(layer_cls):
   the compiled program is unchanged). Not while a method interceptor (LoRA,
   quantization, a user's) or `capture_intermediates` is active: what those do may
   depend on a layer's path, which nn.jit's cache key leaves out."""
-  # Flax keeps both stacks private; read them so that no path-dependent hook is skipped.
-  capture = flax_module._context.capture_stack
-  if flax_module._global_interceptor_stack or (capture and capture[-1]):
+  # Flax keeps both stacks private: where a version lacks them, nothing is shared.
+  interceptors = getattr(flax_module, "_global_interceptor_stack", None)
+  capture = getattr(getattr(flax_module, "_context", None), "capture_stack", None)
+  if interceptors is None or capture is None or len(interceptors) or (capture and capture[-1]):
     return layer_cls
   return nn.jit(layer_cls)
 
