@@ -150,17 +150,20 @@ def _with_remat(module_cls, config, prevent_cse):
                   prevent_cse=prevent_cse)
 
 
-def _traced_once(layer_cls):
+def _traced_once(layer_cls, caller: nn.Module):
   """`layer_cls` under `nn.jit`, made afresh per call: the layers built from it with
   equal fields (attention type, sharing mode) then share one trace, so lowering a
   program traces each kind of layer once, not every layer (XLA still gets every layer:
-  the compiled program is unchanged). Not while a method interceptor (LoRA,
-  quantization, a user's) or `capture_intermediates` is active: what those do may
-  depend on a layer's path, which nn.jit's cache key leaves out."""
+  the compiled program is unchanged). Not while `caller` initializes: nn.jit forks the
+  parameter keys, and a seeded init must draw the same values whether or not layers
+  share a trace. Not while a method interceptor (LoRA, quantization, a user's) or
+  `capture_intermediates` is active: what those do may depend on a layer's path, which
+  nn.jit's cache key leaves out."""
   # Flax keeps both stacks private: where a version lacks them, nothing is shared.
   interceptors = getattr(flax_module, "_global_interceptor_stack", None)
   capture = getattr(getattr(flax_module, "_context", None), "capture_stack", None)
-  if interceptors is None or capture is None or len(interceptors) or (capture and capture[-1]):
+  if (caller.is_initializing() or interceptors is None or capture is None
+      or len(interceptors) or (capture and capture[-1])):
     return layer_cls
   return nn.jit(layer_cls)
 
@@ -190,7 +193,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x, positions, masks, per_layer=None, shared_kv=None):
     c = self.config
-    layer_cls = _traced_once(LAYERS[c.block_type])
+    layer_cls = _traced_once(LAYERS[c.block_type], self)
     for j, kind in enumerate(c.attention_pattern):
       extra = _gemma4_inputs(c, None if per_layer is None else per_layer[j],
                              None if shared_kv is None else shared_kv[kind])
@@ -284,7 +287,7 @@ class Decoder(nn.Module):
     period = len(c.attention_pattern)
     types, modes = layer_types(c), kv_sharing_modes(c)
     segments = {s.start: s for s in scan_segments(c)}
-    layer_cls = _with_remat(_traced_once(LAYERS[c.block_type]), c, prevent_cse=True)
+    layer_cls = _with_remat(_traced_once(LAYERS[c.block_type], self), c, prevent_cse=True)
     shared = {}          # attention type -> (keys, values) of its "store" layer
     i = 0
     while i < c.num_layers:

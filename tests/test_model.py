@@ -241,6 +241,18 @@ def test_layers_of_one_kind_are_traced_once():
   assert list(state["intermediates"]) == ["layers_3"]   # a path-dependent capture too
 
 
+def test_seeded_init_does_not_depend_on_trace_sharing():
+  """nn.jit forks the parameter keys of the layers it wraps, so init never shares traces:
+  a seed draws the same parameters as with sharing off (under a no-op interceptor),
+  scanned or not, whatever ran before in the process."""
+  for scan_layers in (True, False):
+    config = tiny(scan_layers=scan_layers)
+    init = lambda: gj.transform(config).init(jax.random.key(0), tokens())
+    drawn = init()
+    with nn.intercept_methods(lambda fun, args, kwargs, context: fun(*args, **kwargs)):
+      chex.assert_trees_all_equal(drawn, init())
+
+
 def test_long_rows_run_local_layers_in_window_blocks():
   """Local layers take blocked masks (T x 1.5W work) once T > 2W, and the dense mask for
   shorter rows or image spans; the logits agree with the dense masks given explicitly."""
