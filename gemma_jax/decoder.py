@@ -154,15 +154,16 @@ def _traced_once(layer_cls, caller: nn.Module):
   """`layer_cls` under `nn.jit`, made afresh per call: the layers built from it with
   equal fields (attention type, sharing mode) then share one trace, so lowering a
   program traces each kind of layer once, not every layer (XLA still gets every layer:
-  the compiled program is unchanged). Not while `caller` initializes: nn.jit forks the
-  parameter keys, and a seeded init must draw the same values whether or not layers
-  share a trace. Not while a method interceptor (LoRA, quantization, a user's) or
-  `capture_intermediates` is active: what those do may depend on a layer's path, which
-  nn.jit's cache key leaves out."""
+  the compiled program is unchanged). Not while `caller`'s layers draw random numbers
+  (init, dropout): nn.jit forks their keys, and a seed must draw the same values whether
+  or not layers share a trace. Not while a method interceptor (LoRA, quantization, a
+  user's) or `capture_intermediates` is active: what those do may depend on a layer's
+  path, which nn.jit's cache key leaves out."""
   # Flax keeps both stacks private: where a version lacks them, nothing is shared.
   interceptors = getattr(flax_module, "_global_interceptor_stack", None)
   capture = getattr(getattr(flax_module, "_context", None), "capture_stack", None)
-  if (caller.is_initializing() or interceptors is None or capture is None
+  draws = caller.is_initializing() or (not caller.deterministic and caller.config.dropout_rate)
+  if (draws or interceptors is None or capture is None
       or len(interceptors) or (capture and capture[-1])):
     return layer_cls
   return nn.jit(layer_cls)

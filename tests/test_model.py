@@ -241,16 +241,22 @@ def test_layers_of_one_kind_are_traced_once():
   assert list(state["intermediates"]) == ["layers_3"]   # a path-dependent capture too
 
 
-def test_seeded_init_does_not_depend_on_trace_sharing():
-  """nn.jit forks the parameter keys of the layers it wraps, so init never shares traces:
-  a seed draws the same parameters as with sharing off (under a no-op interceptor),
-  scanned or not, whatever ran before in the process."""
+def test_random_draws_do_not_depend_on_trace_sharing():
+  """nn.jit forks the keys of the layers it wraps, so layers that draw random numbers
+  (init, dropout) never share traces: a seed draws the same parameters and dropout masks
+  as with sharing off (under a no-op interceptor), scanned or not. Each call transforms
+  afresh: a jitted apply keeps its first trace, interceptor or not."""
+  noop = lambda fun, args, kwargs, context: fun(*args, **kwargs)
   for scan_layers in (True, False):
-    config = tiny(scan_layers=scan_layers)
+    config = tiny(scan_layers=scan_layers, dropout_rate=0.5)
     init = lambda: gj.transform(config).init(jax.random.key(0), tokens())
-    drawn = init()
-    with nn.intercept_methods(lambda fun, args, kwargs, context: fun(*args, **kwargs)):
-      chex.assert_trees_all_equal(drawn, init())
+    params = init()
+    dropped = lambda: gj.transform(config).apply(params, tokens(), rng=jax.random.key(1))
+    with nn.intercept_methods(noop):
+      chex.assert_trees_all_equal(params, init())
+      want = dropped()
+    assert np.abs(want - gj.transform(config).apply(params, tokens())).max() > 0.1
+    np.testing.assert_array_equal(dropped(), want)
 
 
 def test_long_rows_run_local_layers_in_window_blocks():
