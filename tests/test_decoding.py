@@ -103,6 +103,30 @@ def test_prefill_then_decode_equals_the_full_forward(model):
     np.testing.assert_array_equal(np.sort(positions, axis=1), np.sort(latest, axis=1))
 
 
+def test_long_prompts_prefill_in_blocks_like_the_dense_masks(model):
+  """Prompts of 530 and 300 tokens, over 2 x the window and the longer over two causal
+  blocks: the prefill attends in blocks (no value in its program is T x T, neither a
+  dense mask nor its logits), and its logits and those of 3 decode steps after it equal
+  the full forward's with the dense masks given explicitly."""
+  config, params = model
+  lengths, steps = np.array([530, 300]), 3
+  width = lengths.max() + steps
+  seq = np.random.RandomState(2).randint(0, 97, (2, width)).astype(np.int32)
+  real = np.arange(width)[None] < (lengths[:, None] + steps)
+  segments = jnp.asarray(real, jnp.int32)
+  full = np.asarray(decoder.Decoder(config.model).apply(
+      {"params": params}, jnp.asarray(seq * real), jnp.broadcast_to(jnp.arange(width), real.shape),
+      segments, masks=decoder.layer_masks(config.model, segments)))
+  prompts = jnp.asarray(np.where(np.arange(530)[None] < lengths[:, None], seq[:, :530], 0))
+  dec = decoding.make_decoding(config)
+  prefill = lambda p, t, n: dec.prefill(p, t, n, cache_length=width)
+  t = 529    # the prefill attends over all but the last prompt token
+  assert f"{t}x{t}xf32" not in jax.jit(prefill).lower(params, prompts, lengths).as_text()
+  prefilled = prefill(params, prompts, jnp.asarray(lengths))
+  got, want, _ = decode_along(dec, params, prefilled, seq, lengths, full, steps)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_cache_dtype_and_one_token_prompts(model):
   config, params = model
   dec = decoding.make_decoding(config)

@@ -154,11 +154,11 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     segment_ids = (index < filled[:, None]).astype(jnp.int32)
     spans = (vision.image_span_ids(chunk, model.vision.image_token_id) * segment_ids
              if images is not None else None)
-    full_masks = layer_masks(model, segment_ids, spans)
+    prompt_masks = layer_masks(model, segment_ids, spans, blocked=True)
     positions, masks = {}, {}
     for kind, size in ring_sizes(model, cache_length).items():
       sources, positions[kind] = _ring_sources(filled, size)
-      masks[kind] = Prefill(full_masks[kind], sources)
+      masks[kind] = Prefill(prompt_masks[kind], sources)
     _, layers = run(params, None, chunk, index, segment_ids, masks, images)
     layers = kv_cache.store(layers, cache_dtype)
     last = jnp.take_along_axis(tokens, filled[:, None], axis=1)[:, 0]

@@ -240,9 +240,11 @@ grouped_attention.defvjp(_attention_forward, _attention_backward)
 
 class Prefill(NamedTuple):
   """Replaces a layer's mask to fill its cache: attend over the T new keys under `mask`
-  [B, T, T], then store in the S cache slots the new keys and values at token indices
+  (the prompt's own mask, in any form a layer takes: [B, T, T], `LocalBlocks`,
+  `CausalBlocks` or `CausalMask`, so a long prompt skips masked work as a forward pass
+  does), then store in the S cache slots the new keys and values at token indices
   `sources` [B, S] (slots the decoder marks empty hold anything)."""
-  mask: jax.Array
+  mask: Union[jax.Array, LocalBlocks, CausalBlocks, CausalMask]
   sources: jax.Array
 
 
@@ -309,8 +311,9 @@ class Attention(nn.Module):
     n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
     if self.use_rope or positions is not None:
       chex.assert_shape(positions, (b, t))
-    if mask is not None and not isinstance(mask, (Decode, LocalBlocks)):
-      chex.assert_shape(mask if isinstance(mask, jax.Array) else mask.mask, (b, t, t))
+    own = mask.mask if isinstance(mask, Prefill) else mask
+    if own is not None and not isinstance(own, (Decode, LocalBlocks)):
+      chex.assert_shape(own if isinstance(own, jax.Array) else own.mask, (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
@@ -367,6 +370,8 @@ class Attention(nn.Module):
   def _attend_and_project(self, q, k, v, mask, d: int) -> jax.Array:
     """Queries [B, T, N, H] over keys and values [B, S, K, H] under `mask` (a cache
     access's own mask), then the output projection -> [B, T, D]."""
+    if isinstance(mask, Prefill):
+      mask = mask.mask
     if isinstance(mask, LocalBlocks):
       out = local_block_attention(q, k, v, mask, self.logit_softcap, self.kernel)
     elif isinstance(mask, CausalBlocks):
@@ -375,8 +380,8 @@ class Attention(nn.Module):
       out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap, self.kernel,
                                   causal=True, window=mask.window)
     else:
-      out = dot_product_attention(q, k, v, mask.mask if isinstance(mask, (Prefill, Decode))
-                                  else mask, self.logit_softcap, self.kernel)
+      out = dot_product_attention(q, k, v, mask.mask if isinstance(mask, Decode) else mask,
+                                  self.logit_softcap, self.kernel)
     out = Linear((d,), ("heads", "head_dim", "embed"), in_dims=2, use_bias=self.use_bias,
                  dtype=self.dtype, param_dtype=self.param_dtype, name="out")(out)
     return checkpoint_name(out, "out_proj")
