@@ -234,8 +234,8 @@ class Decoder(nn.Module):
       padding.
 
     masks: {attention type: [B, T, S] mask, `attention.LocalBlocks`, `CausalBlocks` or
-      `CausalMask`,
-      or an `attention.Prefill` / `Decode` cache access} replacing the masks built from
+      `CausalMask`, or an `attention.Prefill` / `Decode` / `Extend` cache access}
+      replacing the masks built from
       segment_ids and span_ids (decoding; the layers' caches are then the "cache"
       collection, see `gemma_jax.inference.decoding`).
     return_hidden: (tied embedding) instead of the logits, the final norm's output

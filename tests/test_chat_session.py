@@ -12,7 +12,7 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import chat
-from gemma_jax.inference import make_decoding
+from gemma_jax.inference import decoding, make_decoding
 from gemma_jax.inference.chat_session import ChatSession
 from gemma_jax.training import tokenizers
 from test_decoding import random_params
@@ -49,6 +49,44 @@ def test_extend_equals_a_full_recomputation(preset, model):
     end += size
     np.testing.assert_allclose(logits, full[:, end - 1], atol=2e-5)
     np.testing.assert_array_equal(cache.next_position, [end, end])
+
+
+@pytest.mark.parametrize("preset, cache_dtype, atol, passes_of", [
+    ("gemma3-tiny", "float32", 2e-5, 512),
+    ("gemma4-tiny", "float32", 2e-5, 512),
+    ("gemma3-tiny", "float32", 2e-5, 5),
+    # A chunk attends over its own keys unrounded (as a prefill does), token by token
+    # each key is rounded first: measured 0.05 on logits up to 35.
+    ("gemma3-tiny", "int8", 0.1, 512),
+])
+def test_extend_past_the_caches_capacity_equals_decoding_token_by_token(
+    preset, cache_dtype, atol, passes_of, monkeypatch):
+  """A cache of 12 positions (global rings of 12 slots, local ones of 8, the window) in
+  four layers (local, global, local, global): extensions by 13, 1, 9 and 6 tokens after
+  a prompt of 5 wrap every ring, the first one in a pass longer than the rings (or, in
+  passes of 5 tokens, scanned whole passes and a rest). Each extension's logits and the
+  cache after it equal those of feeding the same tokens one decode step at a time (each
+  query then sees the last 12 positions at most)."""
+  monkeypatch.setattr(decoding, "EXTEND_CHUNK", passes_of)
+  config = small(preset, num_layers=4, attention_pattern=("local", "global"))
+  params = random_params(config)
+  tokens = np.random.RandomState(3).randint(0, config.model.vocab_size, (2, 34))
+  dec = make_decoding(config)
+  prefill = lambda: dec.prefill(params, jnp.asarray(tokens[:, :5]), cache_length=12,
+                                cache_dtype=cache_dtype)[1]
+  chunked, stepped, end = prefill(), prefill(), 5
+  for size in (13, 1, 9, 6):
+    logits, chunked = dec.extend(params, jnp.asarray(tokens[:, end:end + size]), chunked)
+    for i in range(end, end + size):
+      want, stepped = dec.decode_step(params, jnp.asarray(tokens[:, i]), stepped)
+    end += size
+    np.testing.assert_allclose(logits, want, atol=atol)
+    np.testing.assert_array_equal(chunked.next_position, stepped.next_position)
+    for kind in chunked.positions:   # the same positions in the same slots
+      np.testing.assert_array_equal(chunked.positions[kind], stepped.positions[kind])
+    if cache_dtype == "float32":
+      jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=atol),
+                   chunked.layers, stepped.layers)
 
 
 def test_extend_refuses_a_bad_chunk():

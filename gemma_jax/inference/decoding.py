@@ -35,7 +35,7 @@ from ml_collections import config_dict
 from gemma_jax import config as config_lib
 from gemma_jax import modules
 from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
-from gemma_jax.layers.attention import Decode, Prefill, attention_mask
+from gemma_jax.layers.attention import Decode, Extend, Prefill, attention_mask
 from gemma_jax.models import towers, vision
 from gemma_jax.quant import kv_cache
 from gemma_jax.transformer import _check_positions, _check_tokens
@@ -64,6 +64,10 @@ class Decoding(NamedTuple):
   decode_step: Callable
   extend: Callable
   unrolled: Callable
+
+
+# Tokens `extend` computes per pass: its logits are at most [B, N, 512, S + 512].
+EXTEND_CHUNK = 512
 
 
 def ring_sizes(config: config_dict.ConfigDict, cache_length: int) -> dict:
@@ -207,23 +211,50 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     _check_positions(cache.next_position, model.trainable_position_size, "cache.next_position")
     return _step(params, tokens, cache)
 
-  def _extend_scan(params, tokens, cache):
-    params = unrolled(params)   # once, not in every step of the scan
+  def chunk(params, tokens: jax.Array, cache: Cache) -> Cache:
+    """tokens [B, T] at each row's next positions, attending over the cache and each other
+    in one call (`attention.Extend`) -> the cache with them. A query sees what it would
+    see decoded token by token: filled slots and earlier chunk tokens, the last S
+    positions of a ring of S slots (on local layers, S is at most the window)."""
+    b, t = tokens.shape
+    new = cache.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)   # [B, T]
+    rows = jnp.arange(b)[:, None]
+    positions, masks = {}, {}
+    for kind, ring in cache.positions.items():
+      size = ring.shape[1]
+      kept = new[:, t - min(t, size):]        # the chunk's latest S stay in the ring
+      keys = jnp.concatenate([ring, new], axis=1)
+      mask = attention_mask(new, keys, jnp.ones_like(new), (keys >= 0).astype(jnp.int32),
+                            window=size)
+      masks[kind] = Extend(mask, kept % size)
+      positions[kind] = ring.at[rows, kept % size].set(kept)
+    _, layers = run(params, cache.layers, tokens, new, jnp.ones_like(tokens), masks)
+    return Cache(layers, positions, cache.next_position + t)
 
-    def one(cache, token):
-      logits, cache = step(params, token, cache)
-      return cache, logits
-    cache, logits = jax.lax.scan(one, cache, tokens.T)
-    return logits[-1], cache
+  def _extend_in_chunks(params, tokens, cache):
+    # All but each row's last token go in as chunks of EXTEND_CHUNK (their logits are
+    # never computed), a scan over the whole ones then the rest; the last token is a
+    # decode step, whose logits are the extension's.
+    params = unrolled(params)
+    body = tokens[:, :-1]
+    whole = body.shape[1] // EXTEND_CHUNK * EXTEND_CHUNK
+    if whole:
+      pieces = body[:, :whole].reshape(body.shape[0], -1, EXTEND_CHUNK).swapaxes(0, 1)
+      cache, _ = jax.lax.scan(lambda cache, piece: (chunk(params, piece, cache), None),
+                              cache, pieces)
+    if body.shape[1] > whole:
+      cache = chunk(params, body[:, whole:], cache)
+    return step(params, tokens[:, -1], cache)
 
-  _extend = jax.jit(_extend_scan, donate_argnames="cache")
+  _extend = jax.jit(_extend_in_chunks, donate_argnames="cache")
 
   def extend(params: dict, tokens: jax.Array, cache: Cache):
     """Continues every row's cached context with C more tokens, tokens [B, C] int: (logits
     [B, V] float32 after each row's last one, the cache with them). Only the new tokens
-    are computed (each a cached step, so local rings and global capacity behave as in
-    decoding); a chat turn added to a conversation costs its own tokens, not the
-    conversation's. The cache passed in is donated."""
+    are computed, in passes of up to `EXTEND_CHUNK` over the cache (local rings and
+    global capacity behave as in decoding them one by one); a chat turn added to a
+    conversation costs its own tokens, not the conversation's. The cache passed in is
+    donated."""
     if tokens.ndim != 2 or tokens.shape[:1] != cache.next_position.shape or not tokens.shape[1]:
       raise ValueError(f"tokens must have shape [batch={cache.next_position.shape[0]}, C >= 1], "
                        f"got {tokens.shape}")

@@ -13,10 +13,10 @@ given (ours, XLA's). cuDNN's fused kernel (the "jax" kernel on a GPU) takes a ca
 layer's mask as `CausalMask` instead: the whole [B, T, T] mask with its structure
 (causal, and the window), from which it skips the masked tiles itself.
 
-Decoding replaces a layer's mask by a cache access (`Prefill` or `Decode`): the layer
-then keeps its keys and values in the "cache" variable collection, a ring of S slots
-("k", "v": [B, S, K, H]; int8 ones with float32 scales "k_scale", "v_scale" [B, S, K],
-see `gemma_jax.quant.kv_cache`); which position each slot holds is the decoder's
+Decoding replaces a layer's mask by a cache access (`Prefill`, `Decode` or `Extend`):
+the layer then keeps its keys and values in the "cache" variable collection, a ring of S
+slots ("k", "v": [B, S, K, H]; int8 ones with float32 scales "k_scale", "v_scale" [B, S,
+K], see `gemma_jax.quant.kv_cache`); which position each slot holds is the decoder's
 bookkeeping (`gemma_jax.inference.decoding`), shared by all layers of one attention type.
 """
 
@@ -255,6 +255,15 @@ class Decode(NamedTuple):
   slots: jax.Array
 
 
+class Extend(NamedTuple):
+  """Replaces a layer's mask to extend its cache by a chunk of T tokens at once: attend
+  over the S slots as they were and the T new keys, under `mask` [B, T, S + T]; then
+  write the last n = min(T, S) new keys and values into the slots `slots` [B, n] (a
+  chunk longer than the ring keeps its latest S)."""
+  mask: jax.Array
+  slots: jax.Array
+
+
 class Attention(nn.Module):
   """Self-attention with optional per-head RMSNorm on queries, keys and values, and RoPE.
 
@@ -300,7 +309,7 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array, positions: Optional[jax.Array],
                mask: Union[None, jax.Array, LocalBlocks, CausalBlocks, CausalMask, Prefill,
-                           Decode],
+                           Decode, Extend],
                shared_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
     """x: [B, T, D], positions: [B, T] (may be None without RoPE), mask: [B, T, S=T],
     `LocalBlocks`, `CausalBlocks`, `CausalMask`, a cache access, or None (every token
@@ -312,7 +321,7 @@ class Attention(nn.Module):
     if self.use_rope or positions is not None:
       chex.assert_shape(positions, (b, t))
     own = mask.mask if isinstance(mask, Prefill) else mask
-    if own is not None and not isinstance(own, (Decode, LocalBlocks)):
+    if own is not None and not isinstance(own, (Decode, Extend, LocalBlocks)):
       chex.assert_shape(own if isinstance(own, jax.Array) else own.mask, (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
@@ -347,6 +356,8 @@ class Attention(nn.Module):
                           jnp.take_along_axis(new, mask.sources[:, :, None, None], axis=1))
     elif isinstance(mask, Decode):
       k, v = (self._write_cache(name, new, mask.slots) for name, new in (("k", k), ("v", v)))
+    elif isinstance(mask, Extend):
+      k, v = (self._extend_cache(name, new, mask.slots) for name, new in (("k", k), ("v", v)))
     out = self._attend_and_project(q, k, v, mask, d)
     return (out, (k, v)) if self.kv_sharing == "store" else out
 
@@ -380,11 +391,30 @@ class Attention(nn.Module):
       out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap, self.kernel,
                                   causal=True, window=mask.window)
     else:
-      out = dot_product_attention(q, k, v, mask.mask if isinstance(mask, Decode) else mask,
+      out = dot_product_attention(q, k, v,
+                                  mask.mask if isinstance(mask, (Decode, Extend)) else mask,
                                   self.logit_softcap, self.kernel)
     out = Linear((d,), ("heads", "head_dim", "embed"), in_dims=2, use_bias=self.use_bias,
                  dtype=self.dtype, param_dtype=self.param_dtype, name="out")(out)
     return checkpoint_name(out, "out_proj")
+
+  def _extend_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """The ring `name` [B, S, K, H] as it was, then new [B, T, K, H] (the keys or values an
+    `Extend` attends over, [B, S + T, K, H] in the compute dtype); writes the last
+    slots.shape[1] of the new ones into `slots`."""
+    before = self._read_cache(name)
+    self._write_cache(name, new[:, new.shape[1] - slots.shape[1]:], slots)
+    return jnp.concatenate([before, new.astype(self.dtype)], axis=1)
+
+  def _read_cache(self, name: str) -> jax.Array:
+    """The ring `name` [B, S, K, H] in the compute dtype (an int8 ring dequantized)."""
+    ring = self.get_variable("cache", name)
+    if ring.dtype == jnp.int8:
+      from gemma_jax.quant import kv_cache  # pylint: disable=import-outside-toplevel
+      ring = kv_cache.dequantize(ring, self.get_variable("cache", kv_cache.scale_name(name)),
+                                 self.dtype)
+    return nn.with_logical_constraint(ring.astype(self.dtype),
+                                      ("batch", "length", "kv_heads", "head_dim"))
 
   def _write_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:
     """Writes new [B, T, K, H] into the cache ring `name` [B, S, K, H] at slots [B, T];
@@ -399,10 +429,5 @@ class Attention(nn.Module):
       new, scale = kv_cache.quantize(new)
       scales = self.get_variable("cache", kv_cache.scale_name(name)).at[rows, slots].set(scale)
       self.put_variable("cache", kv_cache.scale_name(name), scales)
-      ring = ring.at[rows, slots].set(new)
-      out = kv_cache.dequantize(ring, scales, self.dtype)
-    else:
-      ring = ring.at[rows, slots].set(new.astype(ring.dtype))
-      out = ring.astype(self.dtype)
-    self.put_variable("cache", name, ring)
-    return nn.with_logical_constraint(out, ("batch", "length", "kv_heads", "head_dim"))
+    self.put_variable("cache", name, ring.at[rows, slots].set(new.astype(ring.dtype)))
+    return self._read_cache(name)
