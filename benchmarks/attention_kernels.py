@@ -64,7 +64,8 @@ def variants(seq_len: int, window):
       implementation=implementation)
   try:
     import tokamax  # pylint: disable=import-outside-toplevel
-  except ImportError:
+  except ImportError as e:
+    print(f"tokamax is not installed here ({e}): its variants are left out", flush=True)
     return out
   for impl in ("triton", "mosaic"):
     for name, mask in (("mask + structure", dense[:, None]), ("structure only", None)):
@@ -115,6 +116,7 @@ def main(argv):
              "error": f"{type(e).__name__}: {str(e)[:500]}"}
         rows.append([layer, name, "failed", type(e).__name__, ""])
       results.append(r)
+      print(rows[-1], flush=True)
   common.print_table(
       f"{jax.devices()[0].device_kind}: attention over {b} x {t} tokens, {HEADS} heads, "
       f"{KV_HEADS} key/value head, head dim {HEAD_DIM}, {jnp.dtype(dtype).name}",

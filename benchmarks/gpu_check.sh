@@ -5,17 +5,22 @@
 #
 # 1. benchmarks/accelerator.py: train-step MFU per attention kernel, forward, decoding at
 #    batch 1 and 64 (about 200 s on an H200, most of it compiling);
-# 2. accelerator.py again, its step taking `model.loss` at twice the batch (8 x 2048
-#    ran out of memory with the logits);
-# 3. benchmarks/profile_step.py: the first step's device time by kernel;
-# 4. benchmarks/attention_kernels.py: one attention layer per kernel (measured before:
-#    last, so that a call cut short loses it first).
+# 2. benchmarks/attention_kernels.py: one attention layer per kernel, tokamax's included
+#    where its wheel travels;
+# 3. benchmarks/profile_step.py: the step's device time by kernel;
+# 4. accelerator.py again as a user's loop runs by default (`scan_unroll` "auto": the
+#    layer loop unrolled), its step taking `model.loss` at twice the batch (8 x 2048
+#    ran out of memory with the logits).
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
 # Packages the machine lacks travel as wheels in .wheels/ (git-ignored; name it in the
 # call's carry), fetched here beforehand for its Python (3.12 on the lent machines), e.g.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d .wheels ml_collections qwix tensorboardX
+#     --platform manylinux2014_x86_64 -d .wheels ml_collections qwix tensorboardX \
+#     tokamax einshape immutabledict pydantic pydantic-core annotated-types typing-inspection
+# tokamax imports xprof's kernel-statistics tool at import time (for its own benchmarking,
+# which is not used here) and xprof pulls in a server's dependencies: an empty module
+# stands in for it where xprof is missing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu_check}
@@ -24,6 +29,12 @@ if compgen -G ".wheels/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/gpu_check_site .wheels/*.whl || exit 1
   export PYTHONPATH=/tmp/gpu_check_site:${PYTHONPATH:-}
+  if [ -d /tmp/gpu_check_site/tokamax ] && ! python3 -c "import xprof" 2>/dev/null; then
+    mkdir -p /tmp/gpu_check_site/xprof/cli/tools
+    touch /tmp/gpu_check_site/xprof/__init__.py /tmp/gpu_check_site/xprof/cli/__init__.py \
+      /tmp/gpu_check_site/xprof/cli/tools/__init__.py \
+      /tmp/gpu_check_site/xprof/cli/tools/get_kernel_stats_tool.py
+  fi
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 model=(--preset="${PRESET:-gemma3-1b}" --batch_size="${BATCH:-4}" --seq_len="${SEQ:-2048}"
@@ -34,10 +45,10 @@ run() {  # seconds, log name, command...
   shift 2
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee "$out/$name.log"
 }
-run 240 accelerator python3 accelerator.py "${model[@]}" --steps=5 --out="$out/accelerator.json"
-run 170 accelerator_chunked python3 accelerator.py "${model[@]}" \
-  --batch_size=$((2 * ${BATCH:-4})) --loss=chunked --kernels=einsum --decode_batch_sizes= \
-  --steps=5 --out="$out/accelerator_chunked.json"
-run 120 profile_step python3 profile_step.py "${model[@]}" --out="$out/profile_step.json"
+run 220 accelerator python3 accelerator.py "${model[@]}" --steps=5 --out="$out/accelerator.json"
 run 60 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
   --seq_len="${SEQ:-2048}" --out="$out/attention_kernels.json"
+run 100 profile_step python3 profile_step.py "${model[@]}" --out="$out/profile_step.json"
+run 120 accelerator_unrolled_chunked python3 accelerator.py "${model[@]}" \
+  --batch_size=$((2 * ${BATCH:-4})) --scan_unroll=auto --loss=chunked --kernels=einsum \
+  --decode_batch_sizes= --steps=5 --out="$out/accelerator_unrolled_chunked.json"

@@ -38,7 +38,7 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
 _KERNEL = flags.DEFINE_string("attention_kernel", "einsum", "Attention kernel.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
 _UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll.")
-_TOP = flags.DEFINE_integer("top", 40, "Kernels listed.")
+_TOP = flags.DEFINE_integer("top", 60, "Kernels listed.")
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
                            "benchmarks/results/profile_step_<backend>.json.")
 
@@ -74,6 +74,16 @@ def instruction_of(kernel: str, instructions: dict):
     if name in instructions:
       return instructions[name]
   return ("", "", "")
+
+
+# The step's parts, by the first of these words its op_name holds.
+PARTS = ("mlp", "attn", "embed", "norm", "cross_entropy", "softmax", "adam", "clip")
+
+
+def part_of(op_name: str) -> str:
+  """'forward/<part>' or 'backward/<part>' ('other' where no word of PARTS is in it)."""
+  part = next((p for p in PARTS if p in op_name), "other")
+  return ("backward/" if "transpose(" in op_name else "forward/") + part
 
 
 def main(argv):
@@ -116,6 +126,9 @@ def main(argv):
     calls[e["name"]] += 1
   busy = sum(per_step.values())
   library = sum(v for k, v in per_step.items() if any(w in k.lower() for w in LIBRARY_KERNELS))
+  parts = collections.Counter()
+  for name, ms in per_step.items():
+    parts[part_of(instruction_of(name, instructions)[2])] += ms
   kernels = []
   for name, ms in per_step.most_common(_TOP.value):
     shape, opcode, op_name = instruction_of(name, instructions)
@@ -128,12 +141,15 @@ def main(argv):
       f"{library:.1f})", ["ms/step", "calls", "kernel", "shape", "op_name (tail)"],
       [[k["ms_per_step"], k["calls_per_step"], k["kernel"][:40], k["shape"][:30],
         k["op_name"][-90:]] for k in kernels])
+  common.print_table("device time by part of the step (op_name)", ["part", "ms/step"],
+                     [[p, ms] for p, ms in parts.most_common()])
   common.write_json(common.output_path(_OUT.value, "profile_step"),
                     {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
                      "seq_len": t, "attention_kernel": _KERNEL.value,
                      "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
                      "step_ms": step_ms, "device_busy_ms": busy,
-                     "library_kernel_ms": library, "kernels": kernels})
+                     "library_kernel_ms": library, "parts": dict(parts),
+                     "kernels": kernels})
 
 
 if __name__ == "__main__":
