@@ -81,7 +81,11 @@ PARTS = ("mlp", "attn", "embed", "norm", "cross_entropy", "softmax", "adam", "cl
 
 
 def part_of(op_name: str) -> str:
-  """'forward/<part>' or 'backward/<part>' ('other' where no word of PARTS is in it)."""
+  """'forward/<part>' or 'backward/<part>' ('other' where no word of PARTS is in it);
+  'unattributed' for a kernel with no HLO instruction of its name (a GPU's cuBLAS and
+  cuDNN kernels)."""
+  if not op_name:
+    return "unattributed"
   part = next((p for p in PARTS if p in op_name), "other")
   return ("backward/" if "transpose(" in op_name else "forward/") + part
 

@@ -1,5 +1,8 @@
 """Shared layers against float64 numpy re-computations, jitted and not."""
 
+import functools
+from unittest import mock
+
 import chex
 import flax.linen as nn
 import jax
@@ -262,6 +265,39 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
     mask = np_mask(t, segments, window=window)
     np.testing.assert_allclose(attend(q, k, v, jnp.asarray(mask)),
                                np_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+  @parameterized.parameters((23, None), (23, 5), (24, 5))
+  def test_jax_kernel_hands_a_mask_over_even_lengths_only(self, t, window):
+    """cuDNN's fused kernel takes a mask (as a bias) in training only at even lengths:
+    under a causal mask array the "jax" kernel appends a position at odd T, which
+    changes neither the outputs nor the gradients (the einsum kernel's)."""
+    keys = jax.random.split(jax.random.key(t), 4)
+    q = jax.random.normal(keys[0], (2, t, 4, 8))
+    k, v = (jax.random.normal(key, (2, t, 2, 8)) for key in keys[1:3])
+    weights = jax.random.normal(keys[3], (2, t, 4, 8))
+    segments = np.ones((2, t), np.int32)
+    segments[0, t // 3:] = 2
+    mask = jnp.asarray(np_mask(t, segments, window=window))
+    lengths = []
+    fused = jax.nn.dot_product_attention
+
+    def recorded(q, k, v, *args, mask=None, **kwargs):
+      lengths.append((q.shape[1], k.shape[1], mask is not None))
+      return fused(q, k, v, *args, mask=mask, **kwargs)
+
+    def loss(kernel, q, k, v):
+      out = attention_lib.dot_product_attention(q, k, v, mask, kernel=kernel, causal=True,
+                                                window=window)
+      return jnp.sum(out * weights)
+
+    with mock.patch.object(jax.nn, "dot_product_attention", recorded):
+      value, grads = jax.value_and_grad(functools.partial(loss, "jax"), (0, 1, 2))(q, k, v)
+    assert lengths == [(t + t % 2, t + t % 2, True)], lengths
+    expected_value, expected_grads = jax.value_and_grad(
+        functools.partial(loss, "einsum"), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, expected_value, rtol=1e-5)
+    chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5, atol=1e-5)
+    chex.assert_trees_all_equal_shapes(grads, (q, k, v))
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters((512, None), (600, 3.0), (777, None))

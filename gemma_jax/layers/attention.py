@@ -172,10 +172,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   dtype (`grouped_attention`). "jax": `jax.nn.dot_product_attention`, no soft cap; with
   no mask, or given the mask's structure (S = T; `causal`, and a `window` as in
   `attention_mask`), cuDNN's fused kernel on a GPU in bfloat16 or float16, which then
-  skips the tiles the structure masks; XLA's otherwise (cache accesses).
+  skips the tiles the structure masks; XLA's otherwise (cache accesses). cuDNN reads a
+  mask as a bias, which it takes in training only at even lengths: a causal mask over an
+  odd T gains a position that no other query sees (`_attention_at_even_length`).
   """
   if kernel == "jax":
     chex.assert_equal(logit_softcap, None)
+    if causal and mask is not None and q.shape[1] % 2:
+      return _attention_at_even_length(q, k, v, mask, window)
     cudnn = (jax.default_backend() == "gpu" and (causal or mask is None)
              and q.dtype in (jnp.bfloat16, jnp.float16))
     return jax.nn.dot_product_attention(
@@ -193,6 +197,17 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   out = grouped_attention(q, k, v, None if mask is None else mask[:, None, None],
                           logit_softcap)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _attention_at_even_length(q, k, v, mask, window):
+  """The "jax" kernel under a causal mask array over an odd T (= S), one position
+  appended: cuDNN's fused kernel takes a mask (as a bias) in training only at even
+  lengths. The appended query sees only the appended key, which no other query sees."""
+  t = q.shape[1]
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)) + ((0, 0),) * (x.ndim - 2))
+  mask = jnp.pad(mask, ((0, 0), (0, 1), (0, 1))).at[:, t, t].set(True)
+  return dot_product_attention(pad(q), pad(k), pad(v), mask, kernel="jax", causal=True,
+                               window=window)[:, :t]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
