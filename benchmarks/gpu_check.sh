@@ -3,21 +3,23 @@
 #   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 4 x 2048; writes to $OUT
 #   PRESET=gemma3-tiny BATCH=2 SEQ=256 DTYPE=float32 bash benchmarks/gpu_check.sh   # a dry run
 #
-# 1. benchmarks/accelerator.py: train-step MFU per attention kernel, forward, decoding at
-#    batch 1 and 64 (about 200 s on an H200, most of it compiling);
-# 2. benchmarks/attention_kernels.py: one attention layer per kernel, tokamax's included
-#    where its wheel travels;
-# 3. benchmarks/profile_step.py: the step's device time by kernel;
-# 4. accelerator.py again as a user's loop runs by default (`scan_unroll` "auto": the
-#    layer loop unrolled), its step taking `model.loss` at twice the batch (8 x 2048
-#    ran out of memory with the logits).
+# 1. benchmarks/accelerator.py as a user's loop runs by default (`scan_unroll` "auto":
+#    the layer loop unrolled, which the H100's rolled loop spent 29 of 196 ms stacking
+#    and copying without), its step taking `model.loss`: train-step MFU per attention
+#    kernel, forward, decoding at batch 1 and 64;
+# 2. accelerator.py with optax over `apply`'s logits, cuDNN only (the einsum kernel's
+#    step ran out of an H100's memory that way);
+# 3. benchmarks/profile_step.py: the step of 2 by kernel;
+# 4. benchmarks/attention_kernels.py: one attention layer per kernel, tokamax's included
+#    where its wheel travels.
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
 # Packages the machine lacks travel as wheels in .wheels/ (git-ignored; name it in the
 # call's carry), fetched here beforehand for its Python (3.12 on the lent machines), e.g.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .wheels ml_collections qwix tensorboardX \
-#     tokamax einshape immutabledict pydantic pydantic-core annotated-types typing-inspection
+#     tokamax einshape immutabledict pydantic pydantic-core annotated-types \
+#     typing-inspection typing-extensions
 # tokamax imports xprof's kernel-statistics tool at import time (for its own benchmarking,
 # which is not used here) and xprof pulls in a server's dependencies: an empty module
 # stands in for it where xprof is missing.
@@ -45,10 +47,11 @@ run() {  # seconds, log name, command...
   shift 2
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee "$out/$name.log"
 }
-run 220 accelerator python3 accelerator.py "${model[@]}" --steps=5 --out="$out/accelerator.json"
-run 60 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
+run 200 accelerator python3 accelerator.py "${model[@]}" --scan_unroll=auto --loss=chunked \
+  --steps=5 --out="$out/accelerator.json"
+run 120 accelerator_logits python3 accelerator.py "${model[@]}" --scan_unroll=auto \
+  --kernels=jax --decode_batch_sizes= --steps=5 --out="$out/accelerator_logits.json"
+run 100 profile_step python3 profile_step.py "${model[@]}" --scan_unroll=auto \
+  --attention_kernel=jax --out="$out/profile_step.json"
+run 70 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
   --seq_len="${SEQ:-2048}" --out="$out/attention_kernels.json"
-run 100 profile_step python3 profile_step.py "${model[@]}" --out="$out/profile_step.json"
-run 120 accelerator_unrolled_chunked python3 accelerator.py "${model[@]}" \
-  --batch_size=$((2 * ${BATCH:-4})) --scan_unroll=auto --loss=chunked --kernels=einsum \
-  --decode_batch_sizes= --steps=5 --out="$out/accelerator_unrolled_chunked.json"
