@@ -14,12 +14,8 @@
 #    where its wheel travels.
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
-# Packages the machine lacks travel as wheels in .wheels/ (git-ignored; name it in the
-# call's carry), fetched here beforehand for its Python (3.12 on the lent machines), e.g.
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d .wheels ml_collections qwix tensorboardX \
-#     tokamax einshape immutabledict pydantic pydantic-core annotated-types \
-#     typing-inspection typing-extensions
+# Packages the machine lacks travel as wheels in .wheels/ (git-ignored), fetched here
+# beforehand by `bash benchmarks/gpu_wheels.sh`; name .wheels in the call's carry.
 # tokamax imports xprof's kernel-statistics tool at import time (for its own benchmarking,
 # which is not used here) and xprof pulls in a server's dependencies: an empty module
 # stands in for it where xprof is missing.
