@@ -43,11 +43,11 @@ run() {  # seconds, log name, command...
   shift 2
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee "$out/$name.log"
 }
-run 200 accelerator python3 accelerator.py "${model[@]}" --scan_unroll=auto --loss=chunked \
+run 240 accelerator python3 accelerator.py "${model[@]}" --scan_unroll=auto --loss=chunked \
   --steps=5 --out="$out/accelerator.json"
-run 120 accelerator_logits python3 accelerator.py "${model[@]}" --scan_unroll=auto \
+run 110 accelerator_logits python3 accelerator.py "${model[@]}" --scan_unroll=auto \
   --kernels=jax --decode_batch_sizes= --steps=5 --out="$out/accelerator_logits.json"
-run 100 profile_step python3 profile_step.py "${model[@]}" --scan_unroll=auto \
+run 90 profile_step python3 profile_step.py "${model[@]}" --scan_unroll=auto \
   --attention_kernel=jax --out="$out/profile_step.json"
-run 70 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
+run 60 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
   --seq_len="${SEQ:-2048}" --out="$out/attention_kernels.json"
