@@ -109,13 +109,14 @@ def fused_attention(config: config_dict.ConfigDict) -> bool:
 
 def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
                 span_ids: Optional[jax.Array] = None, blocked: bool = False,
-                fused: Optional[bool] = None) -> dict:
+                fused: Optional[bool] = None, packed: bool = True) -> dict:
   """{attention type: [B, T, T] mask} for the types present; spans are bidirectional
   only in `bidirectional_span_types`. With `blocked`, where there are no spans, a layer
   that skips masked work gets its mask in the form its kernel skips it in: for a fused
-  kernel (`fused`, default `fused_attention(config)`), `attention.CausalMask`; else a
-  local layer's is `attention.LocalBlocks` once T > 2 x window, and any other's
-  `attention.CausalBlocks` once T holds two causal blocks."""
+  kernel (`fused`, default `fused_attention(config)`), `attention.CausalMask`, with no
+  array when rows are not `packed` (one document each: the structure is the whole
+  mask); else a local layer's is `attention.LocalBlocks` once T > 2 x window, and any
+  other's `attention.CausalBlocks` once T holds two causal blocks."""
   t = segment_ids.shape[1]
   index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
   fused = fused_attention(config) if fused is None else fused
@@ -123,6 +124,9 @@ def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
   for kind in sorted(set(layer_types(config))):
     spans = span_ids if kind in config.bidirectional_span_types else None
     window = config.sliding_window if kind == "local" else None
+    if blocked and fused and spans is None and not packed:
+      masks[kind] = CausalMask(None, window)
+      continue
     if (blocked and not fused and spans is None and kind == "local"
         and t > 2 * config.sliding_window):
       masks[kind] = local_blocks(segment_ids, config.sliding_window)
@@ -221,12 +225,13 @@ class Decoder(nn.Module):
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, positions: jax.Array, segment_ids: jax.Array,
-               span_ids: Optional[jax.Array] = None,
+  def __call__(self, tokens: jax.Array, positions: jax.Array,
+               segment_ids: Optional[jax.Array], span_ids: Optional[jax.Array] = None,
                masks: Optional[dict] = None,
                images: Optional[jax.Array] = None,
                return_hidden: bool = False) -> jax.Array:
-    """tokens, positions, segment_ids, span_ids: [B, T] -> [B, T, V].
+    """tokens, positions, segment_ids, span_ids: [B, T] -> [B, T, V]; segment_ids None:
+    one document per row.
 
     images: (`vision.enabled`) Gemma 3: [B, I, S, S, C] normalised pixels; Gemma 4:
       `gemma4_images.ImagePatches` [B, I, P, ...] (see `models.towers`). Row b's soft
@@ -262,7 +267,9 @@ class Decoder(nn.Module):
           name="per_layer_inputs")(towers.text_ids(c, tokens), x)    # [B, T, L, P]
 
     if masks is None:
-      masks = layer_masks(c, segment_ids, span_ids, blocked=True)
+      packed = segment_ids is not None
+      segment_ids = segment_ids if packed else jnp.ones_like(tokens)
+      masks = layer_masks(c, segment_ids, span_ids, blocked=True, packed=packed)
     x = self._layers(x, positions, masks, per_layer)
 
     x = unfused(LAYERS[c.block_type].make_norm(c, "final_norm")(x))

@@ -91,10 +91,9 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     _check_same_shape(tokens, segment_ids, "segment_ids")
     if positions is None and segment_ids is None:   # 0..T-1: known from the shape alone
       _check_positions(np.arange(tokens.shape[1]), model_config.trainable_position_size)
-    if segment_ids is None:
-      segment_ids = jnp.ones_like(tokens)
     if positions is None:
-      positions = positions_from_segments(segment_ids)
+      positions = (jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+                   if segment_ids is None else positions_from_segments(segment_ids))
     _check_positions(positions, model_config.trainable_position_size)
     return tokens, positions, segment_ids
 

@@ -266,33 +266,38 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_allclose(attend(q, k, v, jnp.asarray(mask)),
                                np_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
 
-  @parameterized.parameters((23, None), (23, 5), (24, 5))
-  def test_jax_kernel_hands_a_mask_over_even_lengths_only(self, t, window):
-    """cuDNN's fused kernel takes a mask (as a bias) in training only at even lengths:
-    under a causal mask array the "jax" kernel appends a position at odd T, which
-    changes neither the outputs nor the gradients (the einsum kernel's)."""
+  @parameterized.parameters((23, None, True), (23, 5, True), (24, 5, True), (23, 5, False),
+                            (23, None, False))
+  def test_jax_kernel_hands_causal_attention_over_even_lengths_only(self, t, window, packed):
+    """cuDNN's fused kernel takes a mask (as a bias, which a window becomes) in training
+    only at even lengths: the causal "jax" kernel appends a position at odd T, which
+    changes neither the outputs nor the gradients (the einsum kernel's under the mask
+    array). Rows of one document (not `packed`) hand it no mask array, only the
+    structure."""
     keys = jax.random.split(jax.random.key(t), 4)
     q = jax.random.normal(keys[0], (2, t, 4, 8))
     k, v = (jax.random.normal(key, (2, t, 2, 8)) for key in keys[1:3])
     weights = jax.random.normal(keys[3], (2, t, 4, 8))
     segments = np.ones((2, t), np.int32)
-    segments[0, t // 3:] = 2
+    if packed:
+      segments[0, t // 3:] = 2
     mask = jnp.asarray(np_mask(t, segments, window=window))
     lengths = []
     fused = jax.nn.dot_product_attention
 
     def recorded(q, k, v, *args, mask=None, **kwargs):
-      lengths.append((q.shape[1], k.shape[1], mask is not None))
+      lengths.append((q.shape[1], k.shape[1], mask is not None, kwargs["is_causal"]))
       return fused(q, k, v, *args, mask=mask, **kwargs)
 
     def loss(kernel, q, k, v):
-      out = attention_lib.dot_product_attention(q, k, v, mask, kernel=kernel, causal=True,
+      given = mask if packed or kernel == "einsum" else None
+      out = attention_lib.dot_product_attention(q, k, v, given, kernel=kernel, causal=True,
                                                 window=window)
       return jnp.sum(out * weights)
 
     with mock.patch.object(jax.nn, "dot_product_attention", recorded):
       value, grads = jax.value_and_grad(functools.partial(loss, "jax"), (0, 1, 2))(q, k, v)
-    assert lengths == [(t + t % 2, t + t % 2, True)], lengths
+    assert lengths == [(t + t % 2, t + t % 2, packed, True)], lengths
     expected_value, expected_grads = jax.value_and_grad(
         functools.partial(loss, "einsum"), (0, 1, 2))(q, k, v)
     np.testing.assert_allclose(value, expected_value, rtol=1e-5)

@@ -1,5 +1,7 @@
 """The whole model: pure transforms, scan vs unrolled, remat policies, inputs."""
 
+from unittest import mock
+
 import chex
 import flax
 import flax.linen as nn
@@ -299,6 +301,44 @@ def test_fused_kernel_takes_causal_masks_with_their_structure():
   fused = module.apply({"params": params}, toks, positions, segments, masks=masks)
   expected = module.apply({"params": params}, toks, positions, segments, masks=dense)
   np.testing.assert_allclose(fused, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_of_one_document_reach_the_fused_kernel_as_structure_alone():
+  """Without segment_ids (one document per row) cuDNN's fused kernel gets each causal
+  layer's mask by its structure alone, no [B, T, T] array: `CausalMask(None, window)`.
+  Through the public `loss` (odd T, as a train step's inputs are), run by the "jax"
+  kernel as on a GPU (XLA's implementation here), the loss and its gradients equal the
+  einsum kernel's under the dense masks."""
+  config = tiny(num_layers=2, attention_pattern=("local", "global"), attention_kernel="jax")
+  m = config.model
+  toks = tokens(t=12)
+  ones = jnp.ones_like(toks)
+  masks = decoder.layer_masks(m, ones, blocked=True, fused=True, packed=False)
+  assert masks["local"] == CausalMask(None, m.sliding_window), masks["local"]
+  assert masks["global"] == CausalMask(None, None), masks["global"]
+  params = gj.transform(config).init(jax.random.key(0), toks)
+  handed = []
+  fused = jax.nn.dot_product_attention
+
+  def recorded(q, k, v, *args, mask=None, **kwargs):
+    handed.append((q.shape[1], mask is None, kwargs["is_causal"]))
+    return fused(q, k, v, *args, mask=mask, **kwargs)
+
+  def value_and_grads(model, **kwargs):
+    objective = lambda p: (lambda s: s.cross_entropy / s.weight)(
+        model.loss(p, toks[:, :-1], toks[:, 1:], **kwargs))
+    return jax.value_and_grad(objective)(params)
+
+  with mock.patch.object(decoder, "fused_attention", lambda c: True), \
+       mock.patch.object(jax.nn, "dot_product_attention", recorded):
+    value, grads = value_and_grads(gj.transform(config))
+  t = toks.shape[1] - 1
+  assert t % 2 and handed and set(handed) == {(t + 1, True, True)}, handed
+  config.model.attention_kernel = "einsum"
+  expected, expected_grads = value_and_grads(gj.transform(config),
+                                             segment_ids=ones[:, :-1])
+  np.testing.assert_allclose(value, expected, rtol=1e-5)
+  chex.assert_trees_all_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
 
 
 def assert_blocked_logits_match_dense(config, toks, segments):

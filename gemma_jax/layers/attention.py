@@ -122,8 +122,10 @@ def local_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Loca
 class CausalMask:
   """A causal mask [B, T, T] given with its structure, for the fused kernel: no query
   sees a later key, nor (window set) a key `window` or more positions before it. `mask`
-  holds the rest (the documents of packed rows) and agrees with that structure."""
-  mask: jax.Array
+  holds the rest (the documents of packed rows) and agrees with that structure; None
+  for rows of one document each, where the structure is the whole mask (cuDNN then
+  skips the masked tiles without reading a mask array)."""
+  mask: Optional[jax.Array]
   window: Optional[int] = struct.field(pytree_node=False, default=None)
 
 
@@ -178,7 +180,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   """
   if kernel == "jax":
     chex.assert_equal(logit_softcap, None)
-    if causal and mask is not None and q.shape[1] % 2:
+    if causal and q.shape[1] % 2:
       return _attention_at_even_length(q, k, v, mask, window)
     cudnn = (jax.default_backend() == "gpu" and (causal or mask is None)
              and q.dtype in (jnp.bfloat16, jnp.float16))
@@ -205,7 +207,8 @@ def _attention_at_even_length(q, k, v, mask, window):
   lengths. The appended query sees only the appended key, which no other query sees."""
   t = q.shape[1]
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 1)) + ((0, 0),) * (x.ndim - 2))
-  mask = jnp.pad(mask, ((0, 0), (0, 1), (0, 1))).at[:, t, t].set(True)
+  if mask is not None:
+    mask = jnp.pad(mask, ((0, 0), (0, 1), (0, 1))).at[:, t, t].set(True)
   return dot_product_attention(pad(q), pad(k), pad(v), mask, kernel="jax", causal=True,
                                window=window)[:, :t]
 
@@ -336,8 +339,9 @@ class Attention(nn.Module):
     if self.use_rope or positions is not None:
       chex.assert_shape(positions, (b, t))
     own = mask.mask if isinstance(mask, Prefill) else mask
-    if own is not None and not isinstance(own, (Decode, Extend, LocalBlocks)):
-      chex.assert_shape(own if isinstance(own, jax.Array) else own.mask, (b, t, t))
+    own = own.mask if isinstance(own, (CausalMask, CausalBlocks)) else own
+    if isinstance(own, jax.Array):
+      chex.assert_shape(own, (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
