@@ -3,12 +3,15 @@ r"""A real preset on an accelerator: train-step MFU per attention kernel, forwar
     python benchmarks/accelerator.py                      # gemma3-1b, bfloat16, 4 x 2048
     python benchmarks/accelerator.py --kernels=jax --decode_batch_sizes=1,8,64
     python benchmarks/accelerator.py --loss=chunked --batch_size=8 --decode_batch_sizes=
+    python benchmarks/accelerator.py --kernels=jax --segment_ids=none,ones   # cuDNN's mask
 
 For each attention kernel (`config.model.attention_kernel`) it times what a user's own
 loop does: a `jax.jit` of `jax.value_and_grad` over the cross-entropy (`--loss`: optax's
 over `gj.transform(config).apply`'s logits, or `.loss`, which never forms them whole),
 optax's clipped AdamW, params and optimizer state donated; and the
-forward pass alone. A kernel that fails (e.g. cuDNN refusing a shape) is reported with
+forward pass alone; per `--segment_ids`, without them (one document per row: cuDNN
+takes a causal layer's mask by its structure alone) or with them given (as packed rows
+are: cuDNN reads the mask array). A kernel that fails (e.g. cuDNN refusing a shape) is reported with
 its error and the others still run. Weights are float32, compute in `--dtype`. The first kernel's logits
 are the reference for the others' (max difference printed, with the first step's loss).
 
@@ -26,6 +29,7 @@ dense bfloat16 rate where the device is known (H100 and H200: 989 TFLOP/s), and,
 second column, an 8192 x 8192 matmul timed here.
 """
 
+import itertools
 import time
 
 from absl import app
@@ -47,6 +51,8 @@ _REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
 _UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll: 'none' "
                               "keeps the layer loop rolled (26 layers compile in far less time).")
 _KERNELS = flags.DEFINE_list("kernels", ["einsum", "jax"], "Attention kernels.")
+_SEGMENTS = flags.DEFINE_list("segment_ids", ["none"], "Per kernel, what the step passes as "
+                              "segment_ids: 'none' and/or 'ones' (one document's ids).")
 _LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked"],
                           "The train step's loss (`common.user_train_step`).")
 LOSS_NAMES = {"logits": "optax cross-entropy over apply", "chunked": "model.loss"}
@@ -86,17 +92,21 @@ def timed(fn, runs: int) -> float:
   return float(np.median(times))
 
 
-def train_and_forward(kernel: str, tokens: jax.Array) -> dict:
-  """The user loop's step and the forward pass of one kernel."""
+def train_and_forward(kernel: str, segments: str, tokens: jax.Array) -> dict:
+  """The user loop's step and the forward pass of one kernel, with segment_ids or not."""
   config = model_config(kernel)
   model = gj.transform(config)
-  step, params, opt_state = common.user_train_step(config, tokens, loss=_LOSS.value)
+  with_ids = {"none": False, "ones": True}[segments]
+  step, params, opt_state = common.user_train_step(config, tokens, loss=_LOSS.value,
+                                                   segment_ids=with_ids)
 
   @jax.jit
   def forward(params, tokens):
-    return model.apply(params, tokens)
+    return model.apply(params, tokens, segment_ids=jnp.ones_like(tokens) if with_ids else None)
 
+  start = time.perf_counter()
   logits = np.asarray(forward(params, tokens)[0, :64].astype(jnp.float32))
+  forward_first_s = time.perf_counter() - start     # its compile, mostly
   start = time.perf_counter()
   compiled = step.lower(params, opt_state, tokens).compile()
   compile_s = time.perf_counter() - start
@@ -113,8 +123,8 @@ def train_and_forward(kernel: str, tokens: jax.Array) -> dict:
   stats = jax.devices()[0].memory_stats() or {}      # None on a CPU
   params = state[0]
   forward_s = timed(lambda: jax.block_until_ready(forward(params, tokens)), _STEPS.value)
-  return {"kernel": kernel, "first_loss": first_loss, "logits": logits,
-          "compile_s": compile_s, "train_step_s": step_s, "forward_s": forward_s,
+  return {"kernel": kernel, "segment_ids": segments, "first_loss": first_loss, "logits": logits,
+          "compile_s": compile_s, "forward_first_call_s": forward_first_s, "train_step_s": step_s, "forward_s": forward_s,
           "planned_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30,
           "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2 ** 30}
 
@@ -149,12 +159,14 @@ def main(argv):
         f"GFLOP per trained token; matmul {measured_peak / 1e12:.0f} TFLOP/s", flush=True)
 
   results, rows, reference = [], [], None
-  for kernel in _KERNELS.value:
+  for kernel, segments in itertools.product(_KERNELS.value, _SEGMENTS.value):
     try:
-      r = train_and_forward(kernel, tokens)
+      r = train_and_forward(kernel, segments, tokens)
     except Exception as e:  # pylint: disable=broad-except
-      print(f"{kernel}: failed: {type(e).__name__}: {str(e)[:2000]}", flush=True)
-      results.append({"kernel": kernel, "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+      print(f"{kernel}, segment_ids {segments}: failed: {type(e).__name__}: {str(e)[:2000]}",
+            flush=True)
+      results.append({"kernel": kernel, "segment_ids": segments,
+                      "error": f"{type(e).__name__}: {str(e)[:2000]}"})
       continue
     logits = r.pop("logits")
     reference = logits if reference is None else reference
@@ -164,7 +176,7 @@ def main(argv):
     r["train_mfu_of_matmul"] = r["train_tokens_per_s"] * flops_per_token / measured_peak
     r["forward_tokens_per_s"] = b * t / r["forward_s"]
     results.append(r)
-    rows.append([kernel, r["train_step_s"] * 1e3, r["train_tokens_per_s"],
+    rows.append([kernel, segments, r["train_step_s"] * 1e3, r["train_tokens_per_s"],
                  f"{r['train_mfu']:.1%}", f"{r['train_mfu_of_matmul']:.1%}",
                  r["forward_tokens_per_s"], r["compile_s"], r["first_loss"],
                  r["max_logit_difference_vs_first"], r["planned_temp_gib"], r["peak_gib"]])
@@ -179,7 +191,7 @@ def main(argv):
   common.print_table(
       f"{device}, {_PRESET.value} in {_DTYPE.value}, train and forward {b} x {t} tokens "
       f"(user loop: {LOSS_NAMES[_LOSS.value]}, optax AdamW, jax.jit), remat {_REMAT.value}",
-      ["attention kernel", "step ms", "train tok/s", "MFU (datasheet)", "MFU (matmul)",
+      ["attention kernel", "segment_ids", "step ms", "train tok/s", "MFU (datasheet)", "MFU (matmul)",
        "forward tok/s", "compile s", "first loss", "max logit diff", "planned temp GiB",
        "device peak GiB"], rows)
   common.print_table(

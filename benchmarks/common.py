@@ -13,6 +13,7 @@ import time
 from typing import Callable, Dict, List, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -109,14 +110,16 @@ def abstract_train_step(config, batch_size: int, seq_len: int):
   return step, state, batch
 
 
-def user_train_step(config, tokens, loss: str = "logits", abstract: bool = False):
+def user_train_step(config, tokens, loss: str = "logits", abstract: bool = False,
+                    segment_ids: bool = False):
   """What a user's own loop compiles: (a jitted step(params, opt_state, tokens) ->
   (params, opt_state, loss) with params and optimizer state donated, params, opt_state).
   The step is `jax.value_and_grad` over the next-token cross-entropy, then optax's
   clipped AdamW; nothing else of ours. `loss` "logits": optax's cross-entropy over
   `gj.transform(config).apply`'s logits; "chunked": `gj.transform(config).loss`.
   `abstract`: params and opt_state as shapes only (tokens may be a ShapeDtypeStruct),
-  for lowering without allocating."""
+  for lowering without allocating. `segment_ids`: passes one document's ids per row, as
+  a loop over packed rows does (a fused attention kernel then reads a mask array)."""
   model, o = gj.transform(config), config.optimizer
   tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
                    optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
@@ -126,10 +129,11 @@ def user_train_step(config, tokens, loss: str = "logits", abstract: bool = False
   opt_state = jax.eval_shape(tx.init, params) if abstract else tx.init(params)
 
   def objective(params, tokens):
+    ids = lambda t: jnp.ones_like(t) if segment_ids else None
     if loss == "chunked":
-      sums = model.loss(params, tokens[:, :-1], tokens[:, 1:])
+      sums = model.loss(params, tokens[:, :-1], tokens[:, 1:], segment_ids=ids(tokens[:, :-1]))
       return sums.cross_entropy / sums.weight
-    logits = model.apply(params, tokens)
+    logits = model.apply(params, tokens, segment_ids=ids(tokens))
     return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
                                                            tokens[:, 1:]).mean()
 

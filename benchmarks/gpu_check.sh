@@ -4,14 +4,17 @@
 #   PRESET=gemma3-tiny BATCH=2 SEQ=256 DTYPE=float32 bash benchmarks/gpu_check.sh   # a dry run
 #
 # 1. benchmarks/accelerator.py as a user's loop runs by default (`scan_unroll` "auto":
-#    the layer loop unrolled, which the H100's rolled loop spent 29 of 196 ms stacking
-#    and copying without), its step taking `model.loss`: train-step MFU per attention
-#    kernel, forward, decoding at batch 1 and 64;
-# 2. accelerator.py with optax over `apply`'s logits, cuDNN only (the einsum kernel's
-#    step ran out of an H100's memory that way);
-# 3. benchmarks/profile_step.py: the step of 2 by kernel;
-# 4. benchmarks/attention_kernels.py: one attention layer per kernel, tokamax's included
-#    where its wheel travels.
+#    the layer loop unrolled; 165.8 ms against 237.9 rolled on an H100), its step taking
+#    `model.loss`, cuDNN attention without segment_ids (the mask by its structure alone)
+#    and with them (a mask array): the whole-step A/B still open;
+# 2. benchmarks/profile_step.py: the cuDNN step of 1 without segment_ids, by kernel;
+# 3. the step of 1 without segment_ids at twice the batch, XLA's allocator given 95% of
+#    the card (XLA_PYTHON_CLIENT_MEM_FRACTION): how much of the step is per step, not per
+#    token (the optimizer's update, the weights' casts);
+# 4. 1 with the einsum kernel, then decoding at batch 1 and 64.
+# On an H100 each unrolled gemma3-1b step compiles in ~30 s (the forward's beside it).
+# benchmarks/attention_kernels.py (one attention layer per kernel, tokamax's included)
+# is on record for the H100 and H200 and is not rerun.
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
 # Packages the machine lacks travel as wheels in .wheels/ (git-ignored), fetched here
@@ -41,13 +44,16 @@ cd benchmarks
 run() {  # seconds, log name, command...
   local limit=$1 name=$2
   shift 2
+  echo "$(date +%T) $name (limit $limit s)"
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee "$out/$name.log"
 }
-run 240 accelerator python3 accelerator.py "${model[@]}" --scan_unroll=auto --loss=chunked \
-  --steps=5 --out="$out/accelerator.json"
-run 110 accelerator_logits python3 accelerator.py "${model[@]}" --scan_unroll=auto \
-  --kernels=jax --decode_batch_sizes= --steps=5 --out="$out/accelerator_logits.json"
-run 90 profile_step python3 profile_step.py "${model[@]}" --scan_unroll=auto \
+common=("${model[@]}" --scan_unroll=auto --loss=chunked --steps=5)
+run 200 accelerator python3 accelerator.py "${common[@]}" --kernels=jax \
+  --segment_ids=none,ones --decode_batch_sizes= --out="$out/accelerator.json"
+run 110 profile_step python3 profile_step.py "${model[@]}" --scan_unroll=auto --loss=chunked \
   --attention_kernel=jax --out="$out/profile_step.json"
-run 60 attention_kernels python3 attention_kernels.py --batch_size="${BATCH:-4}" \
-  --seq_len="${SEQ:-2048}" --out="$out/attention_kernels.json"
+XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run 100 accelerator_batch2x python3 accelerator.py \
+  "${common[@]}" --batch_size=$((2 * ${BATCH:-4})) --kernels=jax --decode_batch_sizes= \
+  --out="$out/accelerator_batch2x.json"
+run 140 accelerator_einsum python3 accelerator.py "${common[@]}" --kernels=einsum \
+  --out="$out/accelerator_einsum.json"

@@ -3,8 +3,8 @@ r"""Where a user loop's train step spends its device time, by kernel, with HLO o
     python benchmarks/profile_step.py --preset=gemma3-1b --dtype=bfloat16   # on a GPU
     python benchmarks/profile_step.py --preset=gemma3-tiny --batch_size=2 --seq_len=256
 
-Times the step of `benchmarks/accelerator.py` (apply + optax AdamW under `jax.jit`, state
-donated), then traces two steps with `jax.profiler` and sums the device's events by
+Times the step of `benchmarks/accelerator.py` (apply, or `--loss=chunked` model.loss, then
+optax AdamW under `jax.jit`, state donated), then traces two steps with `jax.profiler` and sums the device's events by
 kernel name: on a GPU the kernels of the device streams (XLA's fusions are named after
 their HLO instructions; cuBLAS and cuDNN kernels keep their library names), on a CPU
 XLA's thunks. Each kernel is joined with its HLO instruction's shape and `op_name`
@@ -38,6 +38,10 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
 _KERNEL = flags.DEFINE_string("attention_kernel", "einsum", "Attention kernel.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
 _UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll.")
+_LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked"],
+                          "The step's loss (`common.user_train_step`).")
+_SEGMENT_IDS = flags.DEFINE_bool("segment_ids", False, "Pass one document's segment_ids "
+                                 "(as packed rows do) instead of none.")
 _TOP = flags.DEFINE_integer("top", 60, "Kernels listed.")
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
                            "benchmarks/results/profile_step_<backend>.json.")
@@ -99,7 +103,8 @@ def main(argv):
   b, t = _BATCH.value, _SEQ.value
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.model.vocab_size, (b, t)),
                        jnp.int32)
-  step, params, opt_state = common.user_train_step(config, tokens)
+  step, params, opt_state = common.user_train_step(config, tokens, loss=_LOSS.value,
+                                                   segment_ids=_SEGMENT_IDS.value)
   compiled = step.lower(params, opt_state, tokens).compile()
   text = compiled.as_text()
   state = [params, opt_state]
@@ -151,6 +156,7 @@ def main(argv):
                     {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
                      "seq_len": t, "attention_kernel": _KERNEL.value,
                      "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
+                     "loss": _LOSS.value, "segment_ids": _SEGMENT_IDS.value,
                      "step_ms": step_ms, "device_busy_ms": busy,
                      "library_kernel_ms": library, "parts": dict(parts),
                      "kernels": kernels})
