@@ -41,6 +41,7 @@ import numpy as np
 import common
 import gemma_jax as gj
 from gemma_jax.inference import decoding, sampler
+from gemma_jax.layers import chunked_loss
 from gemma_jax.training import flops
 
 _PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name.")
@@ -56,6 +57,9 @@ _SEGMENTS = flags.DEFINE_list("segment_ids", ["none"], "Per kernel, what the ste
 _LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked"],
                           "The train step's loss (`common.user_train_step`).")
 LOSS_NAMES = {"logits": "optax cross-entropy over apply", "chunked": "model.loss"}
+_CHUNK = flags.DEFINE_integer("loss_chunk_mib", None, "With --loss=chunked: float32 logits "
+                              "per chunk, MiB (`chunked_loss.LOGITS_BYTES`); default the "
+                              "library's budget (`chunked_loss.logits_budget`).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed train steps (after one warm-up).")
 _DECODE = flags.DEFINE_list("decode_batch_sizes", ["1", "64"], "Decoded prompts per call.")
 _PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
@@ -148,6 +152,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   b, t = _BATCH.value, _SEQ.value
+  if _CHUNK.value:
+    chunked_loss.LOGITS_BYTES = _CHUNK.value << 20
   m = model_config("einsum").model
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, m.vocab_size, (b, t)), jnp.int32)
   flops_per_token = flops.training_flops_per_token(m, t)
@@ -201,7 +207,8 @@ def main(argv):
       [[d["batch_size"], d["seconds"], d["tokens_per_s"]] for d in decodes])
   common.write_json(common.output_path(_OUT.value, "accelerator"),
                     {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
-                     "seq_len": t, "loss": _LOSS.value, "remat_policy": _REMAT.value,
+                     "seq_len": t, "loss": _LOSS.value, "loss_chunk_mib": _CHUNK.value,
+                     "remat_policy": _REMAT.value,
                      "scan_unroll": _UNROLL.value,
                      "flops_per_token": flops_per_token, "datasheet_peak": peak,
                      "measured_matmul_flops": measured_peak, "train": results,

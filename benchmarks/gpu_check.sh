@@ -8,10 +8,10 @@
 #    `model.loss`, cuDNN attention without segment_ids (the mask by its structure alone)
 #    and with them (a mask array): the whole-step A/B still open;
 # 2. benchmarks/profile_step.py: the cuDNN step of 1 without segment_ids, by kernel;
-# 3. the step of 1 without segment_ids at twice the batch, XLA's allocator given 95% of
-#    the card (XLA_PYTHON_CLIENT_MEM_FRACTION): how much of the step is per step, not per
-#    token (the optimizer's update, the weights' casts);
-# 4. 1 with the einsum kernel, then decoding at batch 1 and 64.
+# 3. the step of 1 without segment_ids with the loss's chunks as they were before
+#    `chunked_loss.logits_budget` (256 MiB: 32 chunks of 64 positions, each reading and
+#    writing the 1.2 GB float32 table gradient, against 8 of 256 now);
+# 4. 1 with the einsum kernel (decoding is on record for the H100 and H200).
 # On an H100 each unrolled gemma3-1b step compiles in ~30 s (the forward's beside it).
 # benchmarks/attention_kernels.py (one attention layer per kernel, tokamax's included)
 # is on record for the H100 and H200 and is not rerun.
@@ -52,8 +52,7 @@ run 200 accelerator python3 accelerator.py "${common[@]}" --kernels=jax \
   --segment_ids=none,ones --decode_batch_sizes= --out="$out/accelerator.json"
 run 110 profile_step python3 profile_step.py "${model[@]}" --scan_unroll=auto --loss=chunked \
   --attention_kernel=jax --out="$out/profile_step.json"
-XLA_PYTHON_CLIENT_MEM_FRACTION=.95 run 100 accelerator_batch2x python3 accelerator.py \
-  "${common[@]}" --batch_size=$((2 * ${BATCH:-4})) --kernels=jax --decode_batch_sizes= \
-  --out="$out/accelerator_batch2x.json"
-run 140 accelerator_einsum python3 accelerator.py "${common[@]}" --kernels=einsum \
-  --out="$out/accelerator_einsum.json"
+run 100 accelerator_chunks256mib python3 accelerator.py "${common[@]}" --kernels=jax \
+  --loss_chunk_mib=256 --decode_batch_sizes= --out="$out/accelerator_chunks256mib.json"
+run 110 accelerator_einsum python3 accelerator.py "${common[@]}" --kernels=einsum \
+  --decode_batch_sizes= --out="$out/accelerator_einsum.json"
