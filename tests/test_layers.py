@@ -245,16 +245,17 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
       attention_lib.local_blocks(jnp.ones((1, 40), jnp.int32), 8, 3)
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters((23, None), (23, 5), (40, 8))
-  def test_jax_kernel_structure_matches_float64_mask(self, t, window):
-    """The "jax" kernel given only a causal mask's structure (no mask array) equals the
+  @parameterized.parameters((23, None, "jax"), (23, 5, "jax"), (40, 8, "jax"),
+                            (23, 5, "einsum"), (40, None, "einsum"))
+  def test_causal_structure_matches_float64_mask(self, t, window, kernel):
+    """Either kernel given only a causal mask's structure (no mask array) equals the
     float64 causal (windowed) mask, and given the packed rows' mask as well, that mask:
     its band (window - 1 keys back) is the window of `attention_mask`."""
     keys = jax.random.split(jax.random.key(t), 3)
     q = jax.random.normal(keys[0], (2, t, 4, 8))
     k, v = (jax.random.normal(key, (2, t, 2, 8)) for key in keys[1:])
     attend = self.variant(lambda q, k, v, m: attention_lib.dot_product_attention(
-        q, k, v, m, kernel="jax", causal=True, window=window))
+        q, k, v, m, kernel=kernel, causal=True, window=window))
     ones = np.ones((2, t), np.int32)
     np.testing.assert_allclose(attend(q, k, v, None),
                                np_attention(q, k, v, np_mask(t, ones, window=window)),

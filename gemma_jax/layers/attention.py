@@ -167,14 +167,15 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           mask: Optional[jax.Array], logit_softcap: Optional[float] = None,
                           kernel: str = "einsum", *, causal: bool = False,
                           window: Optional[int] = None) -> jax.Array:
-  """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] or None (every
-  query sees every key) -> [B, T, N, H].
+  """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] or None ->
+  [B, T, N, H]. `causal` (S = T), and a `window` as in `attention_mask`, give the mask's
+  structure; with no mask that structure is the whole mask, and with neither every
+  query sees every key.
 
   kernel "einsum": logits and softmax in float32, probabilities cast back to the compute
   dtype (`grouped_attention`). "jax": `jax.nn.dot_product_attention`, no soft cap; with
-  no mask, or given the mask's structure (S = T; `causal`, and a `window` as in
-  `attention_mask`), cuDNN's fused kernel on a GPU in bfloat16 or float16, which then
-  skips the tiles the structure masks; XLA's otherwise (cache accesses). cuDNN reads a
+  no mask or with the structure, cuDNN's fused kernel on a GPU in bfloat16 or float16,
+  which then skips the tiles the structure masks; XLA's otherwise (cache accesses). cuDNN reads a
   mask as a bias, which it takes in training only at even lengths: a causal mask over an
   odd T gains a position that no other query sees (`_attention_at_even_length`).
   """
@@ -190,6 +191,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         implementation="cudnn" if cudnn else None)
   b, t, n, h = q.shape
   kv_heads = k.shape[2]
+  if causal and mask is None:      # a `CausalMask` with its structure alone
+    index = jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = attention_mask(index, index, jnp.ones_like(index), jnp.ones_like(index),
+                          window=window)
   # Heads lead (small copies of queries, keys and values), so that every matmul of the
   # forward and backward pass reads the [B, K, G, T, S] logits in the order they are
   # stored: contracted as [B, T, K, G, H], XLA transposed the logits and probabilities
