@@ -69,15 +69,18 @@ def test_chunked_sums_and_gradients_match_float64(cap, chunk):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_chunks_hold_at_least_the_table_gradient_and_even_out():
-  """Every chunk adds into the float32 [D, V] table gradient: by default a chunk's
-  logits are at least that size (256 MiB at the least), and the chunks share T evenly."""
-  # gemma3-1b, 4 x 2047: the table gradient (1.21 GB) fits 288 positions, so 8 chunks
-  # of 256 (one padded position), where 256 MiB alone gave 32 chunks of 64.
-  assert chunked_loss.chunk_length(4, 2047, 262144, width=1152) == 256
-  assert chunked_loss.chunk_length(4, 2047, 262144) == 64
+def test_chunks_hold_at_least_1024_rows_and_even_out():
+  """Every chunk adds into the float32 [D, V] table gradient: by default a chunk holds
+  at least 1024 positions over the batch (256 MiB of logits at the least), and the
+  chunks share T evenly."""
+  # gemma3-1b, 4 x 2047: 1 GiB of logits holds 256 positions of 4 rows, so 8 chunks of
+  # 256 (one padded position), where 256 MiB alone gave 32 chunks of 64.
+  assert chunked_loss.chunk_length(4, 2047, 262144) == 256
+  assert chunked_loss.chunk_length(4, 2047, 262144, 1 << 28) == 64
   assert chunked_loss.chunk_length(4, 2047, 262144, 4 * 4 * 262144 * 300) == 293  # 7 x 293
-  assert chunked_loss.chunk_length(1, 100, 1000, width=8) == 100      # 256 MiB: one chunk
+  assert chunked_loss.chunk_length(1, 2047, 262144) == 1024                       # 2 chunks
+  assert chunked_loss.chunk_length(1, 100, 1000) == 100      # 256 MiB: one chunk
+  assert chunked_loss.chunk_length(2, 0, 1000) == 0
   for t in range(1, 60):
     for longest in range(1, t + 1):
       c = chunked_loss.chunk_length(1, t, 1, 4 * longest)

@@ -26,27 +26,30 @@ from gemma_jax.layers.matmul import transposed
 from gemma_jax.training.loss import TokenLosses
 
 MIN_LOGITS_BYTES = 1 << 28     # float32 logits per chunk: at least 256 MiB
+MIN_ROWS = 1024                # and at least this many positions (over the batch)
 LOGITS_BYTES = None            # a fixed budget instead of `logits_budget`'s
 
 
-def logits_budget(vocab_size: int, width: int) -> int:
-  """Float32 logits bytes per chunk: `MIN_LOGITS_BYTES`, or the float32 [D, V] table
-  gradient's size if larger. Every chunk reads and writes that gradient's running sum,
-  so smaller chunks spend more on the sum than on their logits: on an H100 a chunk's
-  share of the three head matmuls takes about as long as moving the sum once it holds
-  ~300 rows (gemma3-1b at 4 x 2047: 32 chunks of 64 positions, 77 GB for the sum)."""
-  return max(MIN_LOGITS_BYTES, 4 * vocab_size * width)
+def logits_budget(vocab_size: int) -> int:
+  """Float32 logits bytes per chunk: `MIN_ROWS` rows of logits (1 GiB at Gemma's
+  262,144 entries), or `MIN_LOGITS_BYTES` if more. Every chunk reads and writes the
+  float32 [D, V] running sum of the table gradient: a chunk of R rows moves 8 D V bytes
+  for it beside its 6 R D V FLOPs of matmuls, so on an H100 (~240 FLOP per byte) a
+  chunk of ~300 rows spends as long on the sum as on its matmuls, whatever D (gemma3-1b
+  at 4 x 2047 in chunks of 64 positions: 77 GB for the sum); 1024 rows keep it to a
+  third."""
+  return max(MIN_LOGITS_BYTES, 4 * vocab_size * MIN_ROWS)
 
 
 def chunk_length(batch: int, length: int, vocab_size: int,
-                 logits_bytes: Optional[int] = None, width: int = 0) -> int:
+                 logits_bytes: Optional[int] = None) -> int:
   """Positions per chunk C: as few chunks as keep [B, C, V] float32 logits within
-  `logits_bytes` (default `LOGITS_BYTES`, else `logits_budget(V, width)`), their
-  length then evened out so that the last chunk's padding stays below one position per
-  chunk; at least 1, at most T."""
-  logits_bytes = logits_bytes or LOGITS_BYTES or logits_budget(vocab_size, width)
-  longest = int(np.clip(logits_bytes // (4 * batch * vocab_size), 1, length))
-  return -(-length // -(-length // longest))
+  `logits_bytes` (default `LOGITS_BYTES`, else `logits_budget(V)`), their length then
+  evened out so that the last chunk's padding stays below one position per chunk; at
+  least 1, at most T."""
+  logits_bytes = logits_bytes or LOGITS_BYTES or logits_budget(vocab_size)
+  longest = int(np.clip(logits_bytes // (4 * batch * vocab_size), 1, max(length, 1)))
+  return -(-length // max(1, -(-length // longest)))
 
 
 def token_losses(hidden: jax.Array, table: jax.Array, targets: jax.Array,
@@ -65,7 +68,7 @@ def token_losses(hidden: jax.Array, table: jax.Array, targets: jax.Array,
       usual (no recomputation).
   """
   b, t, _ = hidden.shape
-  c = chunk_length(b, t, table.shape[0], logits_bytes, width=table.shape[1])
+  c = chunk_length(b, t, table.shape[0], logits_bytes)
   weights = weights.astype(jnp.float32)
   if c == t:
     return _sums(*_chunk_terms(hidden, table, targets, logit_softcap), weights)
