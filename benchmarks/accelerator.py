@@ -164,7 +164,17 @@ def main(argv):
   print(f"{jax.devices()[0].device_kind}: {_PRESET.value}, {flops_per_token / 1e9:.2f} "
         f"GFLOP per trained token; matmul {measured_peak / 1e12:.0f} TFLOP/s", flush=True)
 
-  results, rows, reference = [], [], None
+  results, rows, reference, decodes = [], [], None, []
+
+  def save():    # after each measurement, so that a run stopped at a time limit keeps them
+    common.write_json(common.output_path(_OUT.value, "accelerator"),
+                      {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
+                       "seq_len": t, "loss": _LOSS.value, "loss_chunk_mib": _CHUNK.value,
+                       "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
+                       "flops_per_token": flops_per_token, "datasheet_peak": peak,
+                       "measured_matmul_flops": measured_peak, "train": results,
+                       "decode": decodes})
+
   for kernel, segments in itertools.product(_KERNELS.value, _SEGMENTS.value):
     try:
       r = train_and_forward(kernel, segments, tokens)
@@ -173,6 +183,7 @@ def main(argv):
             flush=True)
       results.append({"kernel": kernel, "segment_ids": segments,
                       "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+      save()
       continue
     logits = r.pop("logits")
     reference = logits if reference is None else reference
@@ -187,11 +198,14 @@ def main(argv):
                  r["forward_tokens_per_s"], r["compile_s"], r["first_loss"],
                  r["max_logit_difference_vs_first"], r["planned_temp_gib"], r["peak_gib"]])
     print(rows[-1], flush=True)
+    save()
 
   config = model_config("einsum")
   params = gj.transform(config).init(jax.random.key(0), tokens[:1, :8])
   params = jax.tree.map(lambda p: p.astype(_DTYPE.value), params)
-  decodes = [decode(int(size), params) for size in _DECODE.value]
+  for size in _DECODE.value:
+    decodes.append(decode(int(size), params))
+    save()
 
   device = jax.devices()[0].device_kind
   common.print_table(
@@ -205,14 +219,6 @@ def main(argv):
       f"tokens, weights in {_DTYPE.value}",
       ["batch", "seconds", "new tokens/s"],
       [[d["batch_size"], d["seconds"], d["tokens_per_s"]] for d in decodes])
-  common.write_json(common.output_path(_OUT.value, "accelerator"),
-                    {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
-                     "seq_len": t, "loss": _LOSS.value, "loss_chunk_mib": _CHUNK.value,
-                     "remat_policy": _REMAT.value,
-                     "scan_unroll": _UNROLL.value,
-                     "flops_per_token": flops_per_token, "datasheet_peak": peak,
-                     "measured_matmul_flops": measured_peak, "train": results,
-                     "decode": decodes})
 
 
 if __name__ == "__main__":
