@@ -54,9 +54,10 @@ _UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll: 
 _KERNELS = flags.DEFINE_list("kernels", ["einsum", "jax"], "Attention kernels.")
 _SEGMENTS = flags.DEFINE_list("segment_ids", ["none"], "Per kernel, what the step passes as "
                               "segment_ids: 'none' and/or 'ones' (one document's ids).")
-_LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked"],
+_LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked", "chunked_shifted"],
                           "The train step's loss (`common.user_train_step`).")
-LOSS_NAMES = {"logits": "optax cross-entropy over apply", "chunked": "model.loss"}
+LOSS_NAMES = {"logits": "optax cross-entropy over apply", "chunked": "model.loss",
+              "chunked_shifted": "model.loss over tokens[:, :-1]"}
 _CHUNK = flags.DEFINE_integer("loss_chunk_mib", None, "With --loss=chunked: float32 logits "
                               "per chunk, MiB (`chunked_loss.LOGITS_BYTES`); default the "
                               "library's budget (`chunked_loss.logits_budget`).")

@@ -116,7 +116,9 @@ def user_train_step(config, tokens, loss: str = "logits", abstract: bool = False
   (params, opt_state, loss) with params and optimizer state donated, params, opt_state).
   The step is `jax.value_and_grad` over the next-token cross-entropy, then optax's
   clipped AdamW; nothing else of ours. `loss` "logits": optax's cross-entropy over
-  `gj.transform(config).apply`'s logits; "chunked": `gj.transform(config).loss`.
+  `gj.transform(config).apply`'s logits; "chunked": `gj.transform(config).loss` with its
+  default next-token targets (rows of T tokens stay T long); "chunked_shifted": the same
+  over `tokens[:, :-1]` and `tokens[:, 1:]` (T - 1 long, as the loss was called before).
   `abstract`: params and opt_state as shapes only (tokens may be a ShapeDtypeStruct),
   for lowering without allocating. `segment_ids`: passes one document's ids per row, as
   a loop over packed rows does (a fused attention kernel then reads a mask array)."""
@@ -131,6 +133,9 @@ def user_train_step(config, tokens, loss: str = "logits", abstract: bool = False
   def objective(params, tokens):
     ids = lambda t: jnp.ones_like(t) if segment_ids else None
     if loss == "chunked":
+      sums = model.loss(params, tokens, segment_ids=ids(tokens))
+      return sums.cross_entropy / sums.weight
+    if loss == "chunked_shifted":
       sums = model.loss(params, tokens[:, :-1], tokens[:, 1:], segment_ids=ids(tokens[:, :-1]))
       return sums.cross_entropy / sums.weight
     logits = model.apply(params, tokens, segment_ids=ids(tokens))

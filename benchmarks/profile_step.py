@@ -38,7 +38,7 @@ _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
 _KERNEL = flags.DEFINE_string("attention_kernel", "einsum", "Attention kernel.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
 _UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll.")
-_LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked"],
+_LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked", "chunked_shifted"],
                           "The step's loss (`common.user_train_step`).")
 _SEGMENT_IDS = flags.DEFINE_bool("segment_ids", False, "Pass one document's segment_ids "
                                  "(as packed rows do) instead of none.")

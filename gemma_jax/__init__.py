@@ -5,7 +5,7 @@
     model = gj.transform(config)
     params = model.init(jax.random.key(0), tokens)
     logits = model.apply(params, tokens)
-    sums = model.loss(params, tokens[:, :-1], tokens[:, 1:])   # cross-entropy sums
+    sums = model.loss(params, tokens)            # next-token cross-entropy sums
 
 On a CPU-only install, importing it sets glibc's malloc to reuse freed memory
 (`gemma_jax.host_memory`; GEMMA_JAX_KEEP_FREED_MEMORY=0 leaves malloc alone).

@@ -4,7 +4,7 @@
     params = model.init(jax.random.key(0), tokens)     # a plain pytree of arrays
     logits = model.apply(params, tokens)               # [B, T, V] float32
     logits, aux = model.apply(params, tokens, return_aux=True)   # + auxiliary outputs
-    sums = model.loss(params, tokens[:, :-1], tokens[:, 1:])      # cross-entropy sums
+    sums = model.loss(params, tokens)           # next-token cross-entropy sums
 
 All are jitted (compiled once per input shape) and compose with jax.jit, jax.grad
 and jax.vmap. Parameters carry logical axis names
@@ -130,6 +130,8 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     out = _forward(params, tokens, positions, segment_ids, images, rng, return_aux,
                    return_hidden=tied)
     head, aux = out if return_aux else (out, None)
+    if targets is None:
+      targets = loss_lib.next_token_targets(tokens, segment_ids)
     ignored = targets < 0                      # transformers' -100: not counted
     targets, weights = jnp.where(ignored, 0, targets), jnp.where(ignored, 0, weights)
     if tied:
@@ -179,7 +181,7 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     towers.check_image_inputs(tokens, images, model_config)
     return _apply(params, *checked, images, rng, return_aux)
 
-  def loss(params: dict, tokens: jax.Array, targets: jax.Array, *,
+  def loss(params: dict, tokens: jax.Array, targets: Optional[jax.Array] = None, *,
            weights: Optional[jax.Array] = None, positions: Optional[jax.Array] = None,
            segment_ids: Optional[jax.Array] = None, images: Optional[jax.Array] = None,
            rng: Optional[jax.Array] = None, return_aux: bool = False):
@@ -193,20 +195,25 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     gradient in the same pass. Differentiate it for training:
 
         grads = jax.grad(lambda p: (lambda s: s.cross_entropy / s.weight)(
-            model.loss(p, tokens[:, :-1], tokens[:, 1:])))(params)
+            model.loss(p, tokens)))(params)
 
     Args:
       targets: [B, T] int ids below vocab_size (checked unless traced), the token
         expected at each position; a negative id (transformers' -100) marks a position
-        that does not count, as weight 0 does.
+        that does not count, as weight 0 does. Default: the next token of the row
+        (`gemma_jax.training.loss.next_token_targets`: none after the last position or
+        across documents of packed rows), as transformers' labels=input_ids. Prefer it
+        to `tokens[:, :-1], tokens[:, 1:]`: rows keep their length (2048, not 2047),
+        which the matmul and attention kernels of an accelerator need no padding for.
       weights: [B, T] each position's weight (0: not counted); default all 1.
       The others: as `apply`'s.
     """
     checked = inputs(tokens, positions, segment_ids)
-    _check_same_shape(tokens, targets, "targets")
-    concrete = not isinstance(targets, jax.core.Tracer)   # negative ids: ignored positions
-    _check_tokens(np.maximum(np.asarray(targets), 0) if concrete else targets,
-                  model_config.vocab_size, "targets")
+    if targets is not None:
+      _check_same_shape(tokens, targets, "targets")
+      concrete = not isinstance(targets, jax.core.Tracer)   # negative ids: ignored
+      _check_tokens(np.maximum(np.asarray(targets), 0) if concrete else targets,
+                    model_config.vocab_size, "targets")
     _check_same_shape(tokens, weights, "weights")
     weights = jnp.ones(tokens.shape, jnp.float32) if weights is None else weights
     towers.check_image_inputs(tokens, images, model_config)

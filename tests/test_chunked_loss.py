@@ -10,6 +10,7 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax.layers import chunked_loss
+from gemma_jax.training import data
 
 B, T, D, V = 2, 13, 16, 40
 
@@ -46,7 +47,13 @@ def _dense_float64(hidden, table, targets, weights, cap):
 
 @pytest.mark.parametrize("cap", [None, 3.0])
 @pytest.mark.parametrize("chunk", [1, 4, T])   # 4 does not divide T: the last chunk padded
-def test_chunked_sums_and_gradients_match_float64(cap, chunk):
+@pytest.mark.parametrize("table_sum", ["platform", "vocab_first"])
+def test_chunked_sums_and_gradients_match_float64(cap, chunk, table_sum, monkeypatch):
+  """"vocab_first": the table gradient summed as [V, D], as off a CPU (a CPU sums it
+  transposed)."""
+  if table_sum == "vocab_first":
+    monkeypatch.setattr(chunked_loss, "_scan_with_table_gradient",
+                        lambda *a: chunked_loss._scan_chunks(*a, transposed_sum=False))
   hidden, table, targets, weights = _inputs()
   logits_bytes = 4 * B * V * chunk
   assert chunked_loss.chunk_length(B, T, V, logits_bytes) == chunk
@@ -148,6 +155,32 @@ def test_negative_targets_count_as_weight_zero(model_case):
   want = model.loss(params, tokens[:, :-1], tokens[:, 1:], weights=weights)
   chex.assert_trees_all_close(got, want, rtol=1e-6)
   assert float(got.weight) == (~ignored).sum()
+
+
+def test_default_targets_are_each_rows_next_tokens(model_case):
+  """model.loss(params, tokens): the next-token cross-entropy over the row's own length,
+  against optax over `apply`'s logits of the same rows, the last position unscored."""
+  config, tokens, _, params = model_case
+  model = gj.transform(config)
+  logits = model.apply(params, tokens)
+  want = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
+  got = model.loss(params, tokens)
+  np.testing.assert_allclose(got.cross_entropy, jnp.sum(want), rtol=1e-6)
+  assert float(got.weight) == tokens.shape[0] * (tokens.shape[1] - 1)
+
+
+def test_default_targets_of_packed_rows_stay_within_documents(model_case):
+  """With segment_ids, the default targets are the data pipeline's (numpy, its own code):
+  none across a document boundary or onto padding."""
+  config, tokens, _, params = model_case
+  segment_ids = np.array([[1] * 6 + [2] * 8 + [0] * 3, [1] * 10 + [2] * 7], np.int32)
+  batch = data.make_batch(np.asarray(tokens), segment_ids)
+  model = gj.transform(config)
+  got = model.loss(params, tokens, segment_ids=jnp.asarray(segment_ids))
+  want = model.loss(params, tokens, jnp.asarray(batch["targets"]),
+                    weights=jnp.asarray(batch["weights"]), segment_ids=jnp.asarray(segment_ids))
+  chex.assert_trees_all_close(got, want, rtol=1e-6)
+  assert float(got.weight) == batch["weights"].sum() == 5 + 7 + 9 + 6
 
 
 def test_model_loss_names_bad_targets(model_case):

@@ -4,7 +4,7 @@ Losses are returned as sums over tokens, so that micro-batches add up exactly an
 the caller divides once by the batch's total weight.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import chex
 import jax
@@ -16,6 +16,22 @@ class TokenLosses(NamedTuple):
   cross_entropy: jax.Array   # sum of w * -log p(target)
   z_loss: jax.Array          # sum of w * log(Z)^2, Z the softmax normaliser
   weight: jax.Array          # sum of w: how many tokens count
+
+
+def next_token_targets(tokens: jax.Array, segment_ids: Optional[jax.Array] = None
+                       ) -> jax.Array:
+  """tokens [B, T] -> targets [B, T]: each position's next token, and -1 (not counted)
+  at the last position and, with segment_ids [B, T] (0: padding), where the next token
+  starts another document or is padding.
+
+  Targets of the rows' own length keep T as the rows have it: a row of 2048 tokens
+  stays 2048 long (one position unscored) where `tokens[:, :-1]` would make it 2047,
+  a length that matmul and attention kernels pad to their tile sizes at every layer."""
+  following = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], -1)], axis=1)
+  if segment_ids is None:
+    return following
+  next_ids = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], 1)
+  return jnp.where((next_ids == segment_ids) & (next_ids > 0), following, -1)
 
 
 def token_losses(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> TokenLosses:
