@@ -76,16 +76,19 @@ def test_chunked_sums_and_gradients_match_float64(cap, chunk, table_sum, monkeyp
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_chunks_hold_at_least_1024_rows_and_even_out():
-  """Every chunk adds into the float32 [D, V] table gradient: by default a chunk holds
-  at least 1024 positions over the batch (256 MiB of logits at the least), and the
+def test_chunks_hold_at_least_2048_rows_and_even_out():
+  """Every chunk adds into the float32 [V, D] table gradient: by default a chunk holds
+  at least 2048 positions over the batch (256 MiB of logits at the least), and the
   chunks share T evenly."""
-  # gemma3-1b, 4 x 2047: 1 GiB of logits holds 256 positions of 4 rows, so 8 chunks of
-  # 256 (one padded position), where 256 MiB alone gave 32 chunks of 64.
-  assert chunked_loss.chunk_length(4, 2047, 262144) == 256
-  assert chunked_loss.chunk_length(4, 2047, 262144, 1 << 28) == 64
+  # gemma3-1b, 4 x 2048: 2 GiB of logits hold 512 positions of 4 rows, so 4 chunks of
+  # 512, where 256 MiB alone gave 32 chunks of 64.
+  assert chunked_loss.chunk_length(4, 2048, 262144) == 512
+  assert chunked_loss.chunk_length(4, 2048, 262144, 1 << 28) == 64
+  assert chunked_loss.chunk_length(4, 2047, 262144) == 512                        # 1 padded
   assert chunked_loss.chunk_length(4, 2047, 262144, 4 * 4 * 262144 * 300) == 293  # 7 x 293
-  assert chunked_loss.chunk_length(1, 2047, 262144) == 1024                       # 2 chunks
+  assert chunked_loss.chunk_length(8, 2048, 262144) == 256
+  assert chunked_loss.chunk_length(1, 4095, 262144) == 2048                       # 2 chunks
+  assert chunked_loss.chunk_length(1, 2048, 262144) == 2048                       # whole
   assert chunked_loss.chunk_length(1, 100, 1000) == 100      # 256 MiB: one chunk
   assert chunked_loss.chunk_length(2, 0, 1000) == 0
   for t in range(1, 60):
