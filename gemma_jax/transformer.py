@@ -132,6 +132,8 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     head, aux = out if return_aux else (out, None)
     if targets is None:
       targets = loss_lib.next_token_targets(tokens, segment_ids)
+      if images is not None:   # an image's soft tokens are inputs, never predictions
+        targets = jnp.where(targets == model_config.vision.image_token_id, -1, targets)
     ignored = targets < 0                      # transformers' -100: not counted
     targets, weights = jnp.where(ignored, 0, targets), jnp.where(ignored, 0, weights)
     if tied:
@@ -201,8 +203,9 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
       targets: [B, T] int ids below vocab_size (checked unless traced), the token
         expected at each position; a negative id (transformers' -100) marks a position
         that does not count, as weight 0 does. Default: the next token of the row
-        (`gemma_jax.training.loss.next_token_targets`: none after the last position or
-        across documents of packed rows), as transformers' labels=input_ids. Prefer it
+        (`gemma_jax.training.loss.next_token_targets`: none after the last position,
+        across documents of packed rows, or onto an image placeholder when `images` are
+        given), as transformers' labels=input_ids with image tokens masked. Prefer it
         to `tokens[:, :-1], tokens[:, 1:]`: rows keep their length (2048, not 2047),
         which the matmul and attention kernels of an accelerator need no padding for.
       weights: [B, T] each position's weight (0: not counted); default all 1.

@@ -1,9 +1,10 @@
 """The Gemma 3 image model against transformers' Gemma3ForConditionalGeneration: logits with
 one and two images per row, the bidirectional image mask, checkpoints both ways, preset
-parameter counts, input errors, and training on generated images."""
+parameter counts, input errors, the default targets, and training on generated images."""
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,6 +159,23 @@ def test_bad_image_inputs_are_named():
   text_only = gj.transform(gj.get_config("gemma3-tiny"))
   with pytest.raises(ValueError, match="vision.enabled is False"):
     text_only.apply(text_only.init(jax.random.key(0), tokens), tokens % 500, images=pixels)
+
+
+def test_default_targets_skip_image_placeholders():
+  """model.loss(params, tokens, images=...): the next tokens, none of them an image
+  placeholder, equal to targets written out by hand with those positions at -100."""
+  config, model, params = tiny_model()
+  v = config.model.vision
+  span = [v.boi_token_id] + [v.image_token_id] * 4 + [v.eoi_token_id]
+  tokens = np.array([[1, 5] + span + [9, 7, 3], [2] + span + [8, 6, 4, 11]], np.int32)
+  images = np.random.RandomState(0).normal(0, 0.5, (2, 1, 56, 56, 3)).astype(np.float32)
+  targets = np.concatenate([tokens[:, 1:], np.full((2, 1), -100)], axis=1)
+  targets[targets == v.image_token_id] = -100
+  got = model.loss(params, jnp.asarray(tokens), images=jnp.asarray(images))
+  want = model.loss(params, jnp.asarray(tokens), jnp.asarray(targets),
+                    images=jnp.asarray(images))
+  chex.assert_trees_all_close(got, want, rtol=1e-6)
+  assert float(got.weight) == 2 * (tokens.shape[1] - 1) - 2 * 4
 
 
 def train_on_images(model, params, tokens, images, learn, optimizer, count):
