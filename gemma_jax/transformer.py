@@ -208,7 +208,10 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
         given), as transformers' labels=input_ids with image tokens masked. Prefer it
         to `tokens[:, :-1], tokens[:, 1:]`: rows keep their length (2048, not 2047),
         which the matmul and attention kernels of an accelerator need no padding for.
-      weights: [B, T] each position's weight (0: not counted); default all 1.
+      weights: [B, T] each position's weight (0: not counted); default all 1. It
+        weighs the target at that position, with the default targets token t + 1: a
+        mask over the tokens to learn (a chat's replies) shifts left by one,
+        `jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))`.
       The others: as `apply`'s.
     """
     checked = inputs(tokens, positions, segment_ids)
