@@ -3,8 +3,8 @@
 #   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 4 x 2048; writes to $OUT
 #   PRESET=gemma3-tiny BATCH=2 SEQ=256 DTYPE=float32 bash benchmarks/gpu_check.sh   # a dry run
 #
-# 1. benchmarks/profile_step.py: the step of 2, by kernel (on a machine with a cold
-#    compile cache 110 s were not enough for it);
+# 1. benchmarks/profile_step.py: the step of 2, by kernel, and its compiled HLO (a cold
+#    compile cache needed more than 110 s for it);
 # 2. benchmarks/accelerator.py as a user's loop runs by default (`scan_unroll` "auto":
 #    the layer loop unrolled), its step taking `model.loss(params, tokens)` (rows keep
 #    their length; loss chunks of 2048 rows), cuDNN attention given the mask by its
@@ -51,7 +51,7 @@ run() {  # seconds, log name, command...
 }
 common=("${model[@]}" --scan_unroll=auto --steps=5 --kernels=jax --decode_batch_sizes=)
 run 170 profile_step python3 profile_step.py "${model[@]}" --scan_unroll=auto --loss=chunked \
-  --attention_kernel=jax --out="$out/profile_step.json"
+  --attention_kernel=jax --out="$out/profile_step.json" --hlo_out="$out/profile_step.hlo.gz"
 run 70 accelerator python3 accelerator.py "${common[@]}" --loss=chunked --out="$out/accelerator.json"
 run 90 accelerator_twice python3 accelerator.py "${common[@]}" --batch_size=$((2 * ${BATCH:-4})) \
   --loss=chunked --out="$out/accelerator_twice.json"

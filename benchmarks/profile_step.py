@@ -43,6 +43,8 @@ _LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked", "chunked_shift
 _SEGMENT_IDS = flags.DEFINE_bool("segment_ids", False, "Pass one document's segment_ids "
                                  "(as packed rows do) instead of none.")
 _TOP = flags.DEFINE_integer("top", 60, "Kernels listed.")
+_HLO = flags.DEFINE_string("hlo_out", None, "Also write the compiled step's HLO text here "
+                           "(gzipped), to attribute kernels offline.")
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
                            "benchmarks/results/profile_step_<backend>.json.")
 
@@ -50,10 +52,11 @@ LIBRARY_KERNELS = ("gemm", "cublas", "cutlass", "nvjet", "xmma", "cudnn", "flash
 
 
 def hlo_instructions(text: str) -> dict:
-  """{instruction name: (shape, opcode, op_name)} of compiled HLO text."""
+  """{instruction name: (shape, opcode, op_name)} of compiled HLO text (a multi-output
+  fusion's shape is a tuple)."""
   out = {}
   for line in text.splitlines():
-    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+) ([\w\-]+)\(", line)
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\([^()]*\)|\S+) ([\w\-]+)\(", line)
     if m:
       op_name = re.search(r'op_name="([^"]*)"', line)
       out[m.group(1)] = (m.group(2), m.group(3), op_name.group(1) if op_name else "")
@@ -107,6 +110,9 @@ def main(argv):
                                                    segment_ids=_SEGMENT_IDS.value)
   compiled = step.lower(params, opt_state, tokens).compile()
   text = compiled.as_text()
+  if _HLO.value:
+    with gzip.open(_HLO.value, "wt") as f:
+      f.write(text)
   state = [params, opt_state]
 
   def run():
