@@ -46,11 +46,11 @@ def _dense_float64(hidden, table, targets, weights, cap):
 
 
 @pytest.mark.parametrize("cap", [None, 3.0])
-@pytest.mark.parametrize("chunk", [1, 4, T])   # 4 does not divide T: the last chunk padded
-@pytest.mark.parametrize("table_sum", ["platform", "vocab_first"])
+@pytest.mark.parametrize("chunk,table_sum", [   # 4 does not divide T: the last chunk padded
+    (1, "platform"), (4, "platform"), (T, "platform"), (1, "vocab_first"), (4, "vocab_first")])
 def test_chunked_sums_and_gradients_match_float64(cap, chunk, table_sum, monkeypatch):
   """"vocab_first": the table gradient summed as [V, D], as off a CPU (a CPU sums it
-  transposed)."""
+  transposed); one chunk (T) is the plain computation, with no sum to lay out."""
   if table_sum == "vocab_first":
     monkeypatch.setattr(chunked_loss, "_scan_with_table_gradient",
                         lambda *a: chunked_loss._scan_chunks(*a, transposed_sum=False))
@@ -167,9 +167,10 @@ def test_default_targets_are_each_rows_next_tokens(model_case):
   model = gj.transform(config)
   logits = model.apply(params, tokens)
   want = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:])
-  got = model.loss(params, tokens)
-  np.testing.assert_allclose(got.cross_entropy, jnp.sum(want), rtol=1e-6)
-  assert float(got.weight) == tokens.shape[0] * (tokens.shape[1] - 1)
+  for ids in (tokens, tokens.astype(jnp.uint32)):      # unsigned ids: -1 stays negative
+    got = model.loss(params, ids)
+    np.testing.assert_allclose(got.cross_entropy, jnp.sum(want), rtol=1e-6)
+    assert float(got.weight) == tokens.shape[0] * (tokens.shape[1] - 1)
 
 
 def test_default_targets_of_packed_rows_stay_within_documents(model_case):

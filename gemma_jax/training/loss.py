@@ -27,6 +27,7 @@ def next_token_targets(tokens: jax.Array, segment_ids: Optional[jax.Array] = Non
   Targets of the rows' own length keep T as the rows have it: a row of 2048 tokens
   stays 2048 long (one position unscored) where `tokens[:, :-1]` would make it 2047,
   a length that matmul and attention kernels pad to their tile sizes at every layer."""
+  tokens = tokens.astype(jnp.int32)        # -1 must stay negative (unsigned ids)
   following = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], -1)], axis=1)
   if segment_ids is None:
     return following
