@@ -3,6 +3,7 @@ model's `loss` against optax over `apply`'s logits."""
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -96,6 +97,45 @@ def test_chunks_hold_at_least_2048_rows_and_even_out():
       c = chunked_loss.chunk_length(1, t, 1, 4 * longest)
       chunks = -(-t // c)
       assert c <= longest and chunks == -(-t // longest) and chunks * c - t < chunks
+
+
+def _scan_lengths(fn, *args):
+  """The lengths of the scans in fn's jaxpr, nested ones included."""
+  lengths = []
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scan":
+        lengths.append(eqn.params["length"])
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        visit(sub)
+  visit(jax.make_jaxpr(fn)(*args).jaxpr)
+  return lengths
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_chunks_take_the_row_floor_only_where_the_table_is_trained(frozen, monkeypatch):
+  """Small floors stand in for Gemma's: without the table gradient (evaluation, a frozen
+  table) chunks hold 3 positions of 2 rows, with it 7 (`MIN_ROWS` 14); either way the
+  sums and gradients are float64's."""
+  monkeypatch.setattr(chunked_loss, "MIN_LOGITS_BYTES", 4 * B * V * 3)
+  monkeypatch.setattr(chunked_loss, "MIN_ROWS", 2 * 7)
+  assert chunked_loss.chunk_length(B, T, V, table_gradient=False) == 3    # 5 chunks
+  assert chunked_loss.chunk_length(B, T, V) == 7                          # 2 chunks
+  hidden, table, targets, weights = _inputs()
+
+  def objective(hidden, table, weights):
+    return _objective(chunked_loss.token_losses(hidden, table, targets, weights))
+
+  argnums = (0, 2) if frozen else (0, 1, 2)
+  grad = jax.value_and_grad(objective, argnums=argnums)
+  assert _scan_lengths(objective, hidden, table, weights) == [5]
+  # The forward pass and the z-loss's backward, each traced for the CPU and elsewhere.
+  assert _scan_lengths(grad, hidden, table, weights) == [5 if frozen else 2] * 4
+  value, grads = jax.jit(grad)(hidden, table, weights)
+  want_value, want_grads, _ = _dense_float64(hidden, table, targets, weights, None)
+  np.testing.assert_allclose(value, want_value, rtol=1e-5)
+  for got, i in zip(grads, argnums):
+    np.testing.assert_allclose(got, want_grads[i], rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_loss_never_forms_the_whole_logits():

@@ -11,13 +11,16 @@ its logits are at hand (the loss is a sum, so its cotangent only scales them): t
 matmuls are the three of the plain logits' forward and backward, and what waits for the
 backward pass is d hidden [B, T, D] and d table [V, D] float32 (the table gradient's own
 size) instead of the logits. A z-loss with a nonzero cotangent forms the logits once
-more in the backward pass.
+more in the backward pass. Chunks are as small as `MIN_LOGITS_BYTES` allows unless the
+table's gradient is summed (`chunk_length`): evaluation and a frozen table (LoRA) pay
+no memory for a floor that only the sum's traffic needs.
 """
 
 import functools
 from typing import Optional
 
 import jax
+from jax.custom_derivatives import SymbolicZero
 import jax.numpy as jnp
 import numpy as np
 
@@ -43,12 +46,15 @@ def logits_budget(vocab_size: int) -> int:
 
 
 def chunk_length(batch: int, length: int, vocab_size: int,
-                 logits_bytes: Optional[int] = None) -> int:
+                 logits_bytes: Optional[int] = None, table_gradient: bool = True) -> int:
   """Positions per chunk C: as few chunks as keep [B, C, V] float32 logits within
-  `logits_bytes` (default `LOGITS_BYTES`, else `logits_budget(V)`), their length then
-  evened out so that the last chunk's padding stays below one position per chunk; at
-  least 1, at most T."""
-  logits_bytes = logits_bytes or LOGITS_BYTES or logits_budget(vocab_size)
+  `logits_bytes` (default `LOGITS_BYTES`, else `logits_budget(V)` where the table's
+  gradient is summed, `MIN_LOGITS_BYTES` where it is not: evaluation, or a frozen
+  table as under LoRA, where larger chunks only cost memory), their length then evened
+  out so that the last chunk's padding stays below one position per chunk; at least 1,
+  at most T."""
+  logits_bytes = logits_bytes or LOGITS_BYTES or (
+      logits_budget(vocab_size) if table_gradient else MIN_LOGITS_BYTES)
   longest = int(np.clip(logits_bytes // (4 * batch * vocab_size), 1, max(length, 1)))
   return -(-length // max(1, -(-length // longest)))
 
@@ -65,19 +71,28 @@ def token_losses(hidden: jax.Array, table: jax.Array, targets: jax.Array,
     targets: [B, T] int target ids; weights: [B, T] per-position weights.
     logit_softcap: the final logits' tanh cap, or None.
     logits_bytes: the float32 logits one chunk may hold (`chunk_length`). When all T
-      positions fit in one chunk, the logits are formed whole and differentiated as
-      usual (no recomputation).
+      positions fit in one chunk without the table gradient's floor, the logits are
+      formed whole and differentiated as usual (no recomputation).
   """
   b, t, _ = hidden.shape
-  c = chunk_length(b, t, table.shape[0], logits_bytes)
   weights = weights.astype(jnp.float32)
-  if c == t:
+  if chunk_length(b, t, table.shape[0], logits_bytes, table_gradient=False) == t:
     return _sums(*_chunk_terms(hidden, table, targets, logit_softcap), weights)
+  return _chunked_losses(hidden, table, targets, weights, logit_softcap, logits_bytes)
+
+
+def _chunked(x: jax.Array, c: int) -> jax.Array:
+  """[B, T, ...] -> [N, B, C, ...], T padded to N chunks of C."""
+  b, t = x.shape[:2]
   pad = -t % c
-  chunked = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
+  return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)).reshape(
       b, (t + pad) // c, c, *x.shape[2:]).swapaxes(0, 1)
-  return _chunked_losses(chunked(hidden), table, chunked(targets), chunked(weights),
-                         logit_softcap)
+
+
+def _unchunked(x: jax.Array, t: int) -> jax.Array:
+  """[N, B, C, ...] -> [B, T, ...], the padding dropped."""
+  x = x.swapaxes(0, 1)
+  return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :t]
 
 
 def _chunk_terms(hidden, table, targets, logit_softcap):
@@ -99,15 +114,21 @@ def _sums(log_z, target_logits, weights) -> TokenLosses:
                      z_loss=jnp.sum(weights * jnp.square(log_z)), weight=jnp.sum(weights))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _chunked_losses(hidden, table, targets, weights, logit_softcap) -> TokenLosses:
-  """hidden [N, B, C, D], targets, weights [N, B, C]: N chunks -> the sums over all."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunked_losses(hidden, table, targets, weights, logit_softcap, logits_bytes
+                    ) -> TokenLosses:
+  """hidden [B, T, D], targets, weights [B, T] -> the sums over all, a chunk of
+  positions at a time."""
+  b, t, _ = hidden.shape
+  c = chunk_length(b, t, table.shape[0], logits_bytes, table_gradient=False)
+
   def chunk(_, inputs):
     h, y = inputs
     return None, _chunk_terms(h, table, y, logit_softcap)
 
-  _, (log_z, target_logits) = jax.lax.scan(chunk, None, (hidden, targets))
-  return _sums(log_z, target_logits, weights)
+  _, (log_z, target_logits) = jax.lax.scan(chunk, None, (_chunked(hidden, c),
+                                                         _chunked(targets, c)))
+  return _sums(log_z, target_logits, _chunked(weights, c))
 
 
 def _chunk_gradients(d_table, h, table, d_logits_of, logit_softcap, transposed_sum):
@@ -153,9 +174,16 @@ def _scan_chunks(chunk, table, chunks, transposed_sum: bool):
   return (d_table.T if transposed_sum else d_table), outputs
 
 
-def _chunked_forward(hidden, table, targets, weights, logit_softcap):
+def _chunked_forward(hidden, table, targets, weights, logit_softcap, logits_bytes):
   """The sums, and already the cross-entropy's gradients: d logits = w (p - onehot),
-  so that the backward pass only scales them (no logits formed twice)."""
+  so that the backward pass only scales them (no logits formed twice). The inputs come
+  with whether each is differentiated (`symbolic_zeros`): the chunks take the table
+  gradient's floor only where the table has a gradient."""
+  summed = table.perturbed
+  hidden, table, targets, weights = (a.value for a in (hidden, table, targets, weights))
+  b, t, _ = hidden.shape
+  c = chunk_length(b, t, table.shape[0], logits_bytes, table_gradient=summed)
+
   def chunk(d_table, inputs, transposed_sum):
     h, y, w = inputs
     cross_entropy = lambda logits, log_z: w[..., None] * (
@@ -165,8 +193,9 @@ def _chunked_forward(hidden, table, targets, weights, logit_softcap):
     return d_table, (log_z, jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0],
                      d_hidden)
 
+  hidden, weights = _chunked(hidden, c), _chunked(weights, c)
   d_table, (log_z, target_logits, d_hidden) = _scan_with_table_gradient(
-      chunk, table, (hidden, targets, weights))
+      chunk, table, (hidden, _chunked(targets, c), weights))
   residuals = (hidden, table, targets, weights, log_z, target_logits, d_hidden, d_table)
   return _sums(log_z, target_logits, weights), residuals
 
@@ -186,11 +215,13 @@ def _z_loss_gradients(hidden, table, weights, logit_softcap):
   return d_hidden, d_table
 
 
-def _chunked_backward(logit_softcap, residuals, cotangents: TokenLosses):
+def _chunked_backward(logit_softcap, logits_bytes, residuals, cotangents: TokenLosses):
   """The forward pass's cross-entropy gradients scaled by its cotangent; the z-loss's
-  computed only when its cotangent is not zero; d weights: each position's terms."""
+  computed only when its cotangent is not zero (not at all when it is symbolically
+  zero: the z-loss unused); d weights: each position's terms."""
+  del logits_bytes   # the chunks are the residuals'
   hidden, table, targets, weights, log_z, target_logits, d_hidden, d_table = residuals
-  g_ce, g_z, g_w = cotangents
+  g_ce, g_z, g_w = (0.0 if isinstance(g, SymbolicZero) else g for g in cotangents)
   cross_entropy = lambda: (g_ce * d_hidden.astype(jnp.float32), g_ce * d_table)
 
   def with_z_loss():
@@ -198,10 +229,14 @@ def _chunked_backward(logit_softcap, residuals, cotangents: TokenLosses):
     ce_hidden, ce_table = cross_entropy()
     return ce_hidden + g_z * z_hidden.astype(jnp.float32), ce_table + g_z * z_table
 
-  d_hidden, d_table = jax.lax.cond(g_z != 0, with_z_loss, cross_entropy)
+  if isinstance(cotangents.z_loss, SymbolicZero):
+    d_hidden, d_table = cross_entropy()
+  else:
+    d_hidden, d_table = jax.lax.cond(g_z != 0, with_z_loss, cross_entropy)
   d_weights = g_ce * (log_z - target_logits) + g_z * jnp.square(log_z) + g_w
-  return (d_hidden.astype(hidden.dtype), d_table.astype(table.dtype),
-          np.zeros(targets.shape, jax.dtypes.float0), d_weights)
+  t = targets.shape[1]
+  return (_unchunked(d_hidden, t).astype(hidden.dtype), d_table.astype(table.dtype),
+          np.zeros(targets.shape, jax.dtypes.float0), _unchunked(d_weights, t))
 
 
-_chunked_losses.defvjp(_chunked_forward, _chunked_backward)
+_chunked_losses.defvjp(_chunked_forward, _chunked_backward, symbolic_zeros=True)

@@ -100,7 +100,10 @@ def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
     def objective(params):
       sums, losses, observed = forward(params, micro, rng)
       losses = {name: value / grad_accum_steps for name, value in losses.items()}
-      value = (sums.cross_entropy + z_loss * sums.z_loss) / total_weight + sum(losses.values())
+      # Without a z-loss its sum stays out of the objective: the loss's backward pass
+      # then sees a symbolic zero and compiles no z-loss gradient at all.
+      penalty = z_loss * sums.z_loss if z_loss else 0.0
+      value = (sums.cross_entropy + penalty) / total_weight + sum(losses.values())
       observed = {name: value / grad_accum_steps for name, value in observed.items()}
       return value, (sums, {**losses, **observed})
 
