@@ -19,7 +19,7 @@ from gemma_jax.layers.mlp import ACTIVATIONS
 
 ATTENTION_TYPES = ("local", "global")
 BLOCK_TYPES = ("gemma3", "gemma4", "gpt3", "parallel")
-MOE_DISPATCHES = ("auto", "ragged", "loop", "gather", "dense")
+MOE_DISPATCHES = ("auto", "ragged", "loop", "gather", "sliced", "dense")
 ATTENTION_KERNELS = ("einsum", "jax")
 SCAN_UNROLLS = ("auto", "full", "none")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -132,8 +132,8 @@ def model_config() -> config_dict.ConfigDict:
   c.num_experts = 0                       # E, routed experts per layer; 0: dense MLP only
   c.experts_per_token = 1                 # k, experts each token is routed to (top-k)
   c.expert_mlp_dim = 0                    # F of each expert's gated MLP
-  # MOE_DISPATCHES; auto: gather for fewer routed rows than experts (decoding), else
-  # ragged on GPU/TPU and loop on the CPU.
+  # MOE_DISPATCHES; auto: for fewer routed rows than experts (decoding) gather on GPU/TPU
+  # and sliced on the CPU, else ragged on GPU/TPU and loop on the CPU.
   c.moe_dispatch = "auto"
   c.load_balance_loss_weight = 0.0        # weight of the load-balancing loss; 0 disables
   c.router_z_loss_weight = 0.0            # weight of the router z-loss (logsumexp^2); 0 disables

@@ -104,7 +104,7 @@ class DispatchTest(chex.TestCase):
       return self.variant(jax.grad(loss, argnums=range(5)))(x, weights, gate, up, down)
 
     reference = grads(expert_dispatch.dense)
-    for name in ("ragged", "loop", "gather"):
+    for name in ("ragged", "loop", "gather", "sliced"):
       chex.assert_trees_all_close(grads(expert_dispatch.DISPATCHES[name]), reference,
                                   rtol=1e-5, atol=1e-5, custom_message=name)
 
@@ -199,10 +199,10 @@ class DispatchTest(chex.TestCase):
       want = sum(by_hand(int(size), total) for size in group_sizes)
       self.assertEqual(int(grouped_mlp.computed_rows(jnp.asarray(group_sizes), blocks)), want)
 
-  def test_auto_picks_the_loop_on_cpu_and_gather_for_few_rows(self):
+  def test_auto_picks_the_loop_on_cpu_and_sliced_for_few_rows(self):
     self.assertEqual(jax.default_backend(), "cpu")
     self.assertEqual(expert_dispatch.resolve("auto", assignments=64, num_experts=8), "loop")
-    self.assertEqual(expert_dispatch.resolve("auto", assignments=4, num_experts=8), "gather")
+    self.assertEqual(expert_dispatch.resolve("auto", assignments=4, num_experts=8), "sliced")
     self.assertEqual(expert_dispatch.resolve("dense", assignments=4, num_experts=8), "dense")
 
 
@@ -345,7 +345,7 @@ def moe_model():
 def test_model_logits_do_not_depend_on_dispatch(moe_model):
   model, params, batch = moe_model
   expected = model.apply(params, batch["tokens"])
-  for dispatch in ("ragged", "loop", "gather"):
+  for dispatch in ("ragged", "loop", "gather", "sliced"):
     logits = gj.transform(moe_tiny(moe_dispatch=dispatch)).apply(params, batch["tokens"])
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5, err_msg=dispatch)
 
