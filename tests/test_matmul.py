@@ -4,6 +4,7 @@ the CPU the structure they exist for (no matmul contracting its left operand's r
 import re
 
 import chex
+from absl.testing import parameterized
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,3 +83,45 @@ def test_only_the_cpu_gets_the_barred_transposes():
   barriers = {platform: grad.trace(x, w).lower(lowering_platforms=(platform,)).as_text()
               .count("optimization_barrier") for platform in ("cpu", "cuda", "tpu")}
   assert barriers == {"cpu": 3, "cuda": 0, "tpu": 0}    # x^T twice, x^T d once
+
+
+class OneRowTest(chex.TestCase, parameterized.TestCase):
+  """One row (decoding at batch 1): the CPU's two half-products sum to the product."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(("even", 16), ("odd", 15))
+  def test_one_row_values_and_gradients_match_float64(self, inner):
+    rng = np.random.default_rng(1)
+    x, w, table = (rng.normal(size=s) for s in ((1, inner), (inner, O), (O, inner)))
+    c = rng.normal(size=(1, O))
+    for f, b, reference in ((mm.matmul, w, lambda x, b: x @ b),
+                            (mm.matmul_transposed, table, lambda x, b: x @ b.T)):
+      value, grads = self.variant(jax.value_and_grad(
+          lambda x, b, f=f: jnp.sum(jnp.asarray(c, jnp.float32) * f(x, b)), argnums=(0, 1)))(
+              x.astype(np.float32), b.astype(np.float32))
+      np.testing.assert_allclose(value, np.sum(c * reference(x, b)), rtol=1e-5)
+      expected = jax.grad(lambda x, b, r=reference: jnp.sum(c * r(x, b)), argnums=(0, 1))
+      with jax.enable_x64():
+        for got, want in zip(grads, expected(x, b)):
+          np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+  def test_one_row_rounds_once_in_bfloat16(self):
+    rng = np.random.default_rng(2)
+    x, w = rng.normal(size=(1, 512)), rng.normal(size=(512, 64))
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    got = mm.vector_product(xb, wb)
+    exact = np.asarray(xb, np.float64) @ np.asarray(wb, np.float64)
+    assert got.dtype == jnp.bfloat16
+    # float32 accumulation rounded once: within one bfloat16 ulp of the exact product
+    ulp = 2.0 ** (np.floor(np.log2(np.abs(exact))) - 7)
+    assert np.all(np.abs(np.asarray(got, np.float64) - exact) <= ulp)
+
+  def test_only_the_cpu_splits_a_row(self):
+    x, w = jnp.ones((1, 16)), jnp.ones((16, O))
+    one_row = jax.jit(lambda x, w: mm.matmul(x, w) + mm.matmul_transposed(x, w.T))
+    batched = {platform: one_row.trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+               .count("batching_dims = [0] x [0]") for platform in ("cpu", "cuda", "tpu")}
+    assert batched == {"cpu": 2, "cuda": 0, "tpu": 0}
+    rows = jax.jit(lambda x, w: mm.matmul(x, w)).trace(jnp.ones((2, 16)), w).lower(
+        lowering_platforms=("cpu",)).as_text()
+    assert "batching_dims" not in rows

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma_jax.layers import grouped_mlp
+from gemma_jax.layers.matmul import vector_product
 
 
 def _sort_by_expert(expert_ids: jax.Array, num_experts: int):
@@ -100,7 +101,8 @@ def sliced(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Arra
     token, expert = token_and_expert
     row = jax.lax.dynamic_slice_in_dim(x, token, 1)                         # [1, D]
     weight = lambda w: jax.lax.dynamic_index_in_dim(w, expert, keepdims=False)
-    return (hidden(row @ weight(gate), row @ weight(up)) @ weight(down))[0]
+    h = hidden(vector_product(row, weight(gate)), vector_product(row, weight(up)))
+    return vector_product(h, weight(down))[0]
 
   flat = expert_ids.reshape(-1)
   tokens = jnp.arange(flat.size, dtype=flat.dtype) // k
