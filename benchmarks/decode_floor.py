@@ -7,8 +7,9 @@ Decoding one token at batch 1 reads every projection weight once (of an MoE laye
 experts, the k a token is routed to) and the tied embedding for the logits; on a CPU that
 read is the bulk of the step. The floor is one jitted loop of N steps, each step every
 one of those products [1, in] @ [in, out] in a chain (each input taken from the last
-output, so that none is hoisted out of the loop): what XLA takes to stream those weights
-from memory, with no attention, norms or cache. Ours is `sampler.generate`'s time per
+output, so that none is hoisted out of the loop), each as the model runs it
+(`matmul.vector_product`: on a CPU two half-products, one per core): what XLA takes to
+stream those weights from memory, with no attention, norms or cache. Ours is `sampler.generate`'s time per
 token: (time of N new tokens - time of 1) / (N - 1), so the prefill drops out. Weights are
 float32 as in `side_by_side.py`; `--shapes`, `--prompt_len`, `--new_tokens` and
 `--rounds` are that script's flags. A ratio near 1 leaves decoding nothing to gain but
@@ -28,6 +29,7 @@ import common
 import gemma_jax as gj
 import side_by_side as sbs
 from gemma_jax.inference import decoding, sampler
+from gemma_jax.layers.matmul import vector_product
 
 FLAGS = flags.FLAGS
 
@@ -63,7 +65,7 @@ def floor_seconds_per_token(matrices: list, steps: int, rounds: int) -> float:
 
   def step(_, x):
     for m in matrices:
-      y = x[:, :m.shape[0]] @ m
+      y = vector_product(x[:, :m.shape[0]], m)
       x = x + 1e-9 * jnp.pad(y, ((0, 0), (0, max(width - y.shape[1], 0))))[:, :width]
     return x
 
