@@ -10,6 +10,7 @@ import pytest
 import gemma_jax as gj
 from gemma_jax import decoder, planning
 from gemma_jax.inference import decoding
+from gemma_jax.layers import moe
 
 WINDOW = 4
 # Five layers of a (local, global) pattern: two scanned blocks and one unscanned layer,
@@ -85,6 +86,9 @@ def test_prefill_then_decode_equals_the_full_forward(model):
   unrolled = dec.unrolled(params)
   assert not {"blocks"} & set(unrolled) and len(jax.tree.leaves(unrolled)) >= len(
       jax.tree.leaves(params))
+  if config.model.num_experts and jax.default_backend() == "cpu":   # one array per expert
+    experts = unrolled["layers_0"]["moe"]["experts"]
+    assert all(len(experts[n]) == config.model.num_experts for n in moe.EXPERT_WEIGHTS)
   again, _, _ = decode_along(dec, unrolled, dec.prefill(unrolled, jnp.asarray(prompts),
                                                         jnp.asarray(lengths), cache_length=width),
                              seq, lengths, full, steps)

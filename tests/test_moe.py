@@ -94,6 +94,19 @@ class DispatchTest(chex.TestCase):
       np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg=name)
 
   @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.named_parameters(
+      ("top1", dict(k=1)), ("top3_skewed", dict(k=3, skew=True)))
+  def test_switched_on_split_experts_matches_float64_loop(self, problem):
+    x, ids, weights, gate, up, down = expert_problem(**problem)
+    expected = np_experts(x, ids, weights, gate, up, down)
+    split = moe.split_experts({"gate": gate, "up": up, "down": down})
+    assert all(len(split[n]) == gate.shape[0] for n in moe.EXPERT_WEIGHTS)
+    out = self.variant(lambda x, ids, weights, split: expert_dispatch.switched(
+        x, ids, weights, split["gate"], split["up"], split["down"], GATED_GELU))(
+            x, ids, weights, split)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+  @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(("top1", dict(k=1)), ("top2_skewed", dict(k=2, skew=True)))
   def test_sorted_dispatch_gradients_equal_dense_reference(self, problem):
     x, ids, weights, gate, up, down = expert_problem(**problem)
@@ -317,6 +330,21 @@ def test_summarize_averages_scanned_and_unscanned_layers():
   np.testing.assert_allclose(summary["expert_load"], [0.5, 0.5])
   np.testing.assert_allclose(summary["losses"]["load_balance_loss"], 3.0)
   assert sorted(summary["losses"]) == ["load_balance_loss"]
+
+
+def test_split_experts_splits_unscanned_experts_only():
+  gate, kernel = np.zeros((4, 8, 6), np.float32), np.zeros((8, 6), np.float32)
+  scanned = {"gate": np.zeros((2,) + gate.shape, np.float32), "up": np.zeros((2, 4, 8, 6)),
+             "down": np.zeros((2, 4, 6, 8))}
+  params = {"blocks": {"layer_0": {"moe": {"experts": scanned}}},
+            "layers_2": {"moe": {"experts": {"gate": gate, "up": gate, "down": gate}},
+                         "mlp": {"gate": {"kernel": kernel}}}}
+  split = moe.split_experts(params)
+  assert all(split["blocks"]["layer_0"]["moe"]["experts"][n] is scanned[n] for n in scanned)
+  experts = split["layers_2"]["moe"]["experts"]
+  assert all(isinstance(experts[n], tuple) and len(experts[n]) == 4 for n in experts)
+  np.testing.assert_array_equal(experts["gate"][3], gate[3])
+  assert split["layers_2"]["mlp"]["gate"]["kernel"] is kernel
 
 
 def moe_tiny(**overrides):

@@ -19,7 +19,12 @@ would slice every layer's weights out of their stack, a copy of the whole model 
 token (2.0x slower decoding at 12 layers on the CPU, where the scan copies them). The
 functions take either parameter layout; a scanned tree is unstacked inside each call,
 so a caller that makes many calls converts it once with `Decoding.unrolled` (`Sampler`,
-`generate` and `ChatSession` do).
+`generate` and `ChatSession` do). For the same reason, on the CPU that conversion also
+splits each MoE layer's experts into one array per expert (`moe.split_experts`): a token
+then reads its k experts where they lie (`expert_dispatch.switched`), where slicing them
+out of their [E, ...] stack copied each one first (greedy decoding of a 16-expert top-4
+d512 model: 1.4x transformers' speed that way, 2.1-2.3x this way). The prefill stacks
+them back for its grouped products.
 
 Dims: B batch, P prompt length, S cache slots, K key/value heads, H head dim, V vocab.
 """
@@ -35,6 +40,7 @@ from ml_collections import config_dict
 from gemma_jax import config as config_lib
 from gemma_jax import modules
 from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
+from gemma_jax.layers import moe
 from gemma_jax.layers.attention import Decode, Extend, Prefill, attention_mask
 from gemma_jax.models import towers, vision
 from gemma_jax.quant import kv_cache
@@ -59,7 +65,8 @@ class Decoding(NamedTuple):
   """prefill(params, tokens, lengths, *, cache_length, cache_dtype) -> (logits, cache);
   decode_step(params, tokens, cache) -> (logits, cache); extend(params, tokens, cache)
   -> (logits, cache); unrolled(params) -> the parameters with one entry per layer (a
-  copy of a scanned tree; an unrolled one is returned as it is). All jitted."""
+  copy of a scanned tree; an unrolled one is returned as it is), on the CPU with each
+  MoE layer's experts split (`moe.split_experts`). All jitted."""
   prefill: Callable
   decode_step: Callable
   extend: Callable
@@ -120,8 +127,11 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
   unrolled_config.model.scan_layers = False
   module = modules.decoder(unrolled_config)
 
+  split = model.num_experts and model.quant == "none" and jax.default_backend() == "cpu"
+
   def unrolled(params: dict) -> dict:
-    return unstack_layers(params, model)
+    params = unstack_layers(params, model)
+    return moe.split_experts(params) if split else params
 
   def run(params, layers, tokens, positions, segment_ids, masks, images=None):
     """The decoder with cache accesses `masks`: (logits, the "cache" collection after)."""

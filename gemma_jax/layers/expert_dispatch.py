@@ -25,7 +25,7 @@ dropless: every assignment is computed, however unbalanced the routing.
            [M, k, D, F] gathers and batched products at a fraction of the memory's speed.
 """
 
-from typing import Callable, Tuple
+from typing import Callable, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -92,21 +92,40 @@ def gather(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Arra
   return jnp.einsum("mkd,mk->md", out, weights.astype(out.dtype))
 
 
+def _expert_mlp(row, gate, up, down, hidden: Callable) -> jax.Array:
+  """One row [1, D] through one expert's gate, up [D, F] and down [F, D] -> [1, D]."""
+  return vector_product(hidden(vector_product(row, gate), vector_product(row, up)), down)
+
+
+def _one_assignment_at_a_time(x, expert_ids, weights, expert_mlp: Callable) -> jax.Array:
+  """`lax.map` over the M * k assignments: expert_mlp(row [1, D], expert) -> [1, D]."""
+  k = expert_ids.shape[1]
+  flat = expert_ids.reshape(-1)
+  tokens = jnp.arange(flat.size, dtype=flat.dtype) // k
+  out = jax.lax.map(lambda te: expert_mlp(jax.lax.dynamic_slice_in_dim(x, te[0], 1), te[1])[0],
+                    (tokens, flat))
+  return _combine(out, weights)
+
+
 def sliced(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Array:
   """Each assignment's token through its expert's weights, sliced out one assignment at
   a time (`lax.map` over the M * k assignments)."""
-  k = expert_ids.shape[1]
-
-  def assignment(token_and_expert):
-    token, expert = token_and_expert
-    row = jax.lax.dynamic_slice_in_dim(x, token, 1)                         # [1, D]
+  def expert_mlp(row, expert):
     weight = lambda w: jax.lax.dynamic_index_in_dim(w, expert, keepdims=False)
-    h = hidden(vector_product(row, weight(gate)), vector_product(row, weight(up)))
-    return vector_product(h, weight(down))[0]
+    return _expert_mlp(row, weight(gate), weight(up), weight(down), hidden)
+  return _one_assignment_at_a_time(x, expert_ids, weights, expert_mlp)
 
-  flat = expert_ids.reshape(-1)
-  tokens = jnp.arange(flat.size, dtype=flat.dtype) // k
-  return _combine(jax.lax.map(assignment, (tokens, flat)), weights)
+
+def switched(x, expert_ids, weights, gate: Sequence[jax.Array], up: Sequence[jax.Array],
+             down: Sequence[jax.Array], hidden: Callable) -> jax.Array:
+  """As sliced, on the experts' weights as E arrays each (gate[e], up[e] [D, F],
+  down[e] [F, D]; `moe.split_experts`): each assignment picks its expert's branch of a
+  `lax.switch`, which reads that expert's arrays where they lie. No slice is copied out,
+  as `sliced`'s are on the CPU before every product."""
+  branches = [lambda row, g=g, u=u, d=d: _expert_mlp(row, g, u, d, hidden)
+              for g, u, d in zip(gate, up, down)]
+  return _one_assignment_at_a_time(x, expert_ids, weights,
+                                   lambda row, expert: jax.lax.switch(expert, branches, row))
 
 
 DISPATCHES = {"dense": dense, "ragged": ragged, "loop": loop, "gather": gather,
