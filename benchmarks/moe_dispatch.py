@@ -8,9 +8,16 @@ every weight), of each dispatch on the same routing, plus "routed": the same mat
 the M * k routed rows with one expert's weights and no routing at all (the work a
 perfect grouped matmul would do). The loop dispatch is also timed with other row
 blocks: "32" one tier, "128+32" two (`grouped_mlp.BLOCK_ROWS` is the default), and
-for each the rows its loop runs per routed row (`work`: the work done
-over the work needed; its blocks' padding). Times are medians in ms.
+other capacities (the rows per expert of its batched product: "auto" is
+`grouped_mlp.capacity`, "0" runs every row through the loop), and for each the rows it
+multiplies per routed row (`work`: the work done over the work needed; padding of its
+batched slots and blocks). Times are medians in ms.
+
+    python benchmarks/moe_dispatch.py --experts=16 --tokens=1024 --top_k=4 --d_model=512 \
+        --expert_mlp_dim=512 --dispatches=loop --loop_blocks=128+32 --loop_capacities=auto,0
 """
+
+import itertools
 
 from absl import app
 from absl import flags
@@ -26,8 +33,10 @@ _TOKENS = flags.DEFINE_integer("tokens", 2048, "Tokens M (= batch x length).")
 _TOP_K = flags.DEFINE_integer("top_k", 2, "Experts per token k.")
 _D_MODEL = flags.DEFINE_integer("d_model", 256, "Model width D.")
 _MLP_DIM = flags.DEFINE_integer("expert_mlp_dim", 256, "Expert hidden width F.")
-_BLOCKS = flags.DEFINE_list("loop_blocks", ["32", "128", "128+32", "256+32", "512+64"],
+_BLOCKS = flags.DEFINE_list("loop_blocks", ["32", "128+32"],
                             "Row block tiers to time the loop dispatch with.")
+_CAPACITIES = flags.DEFINE_list("loop_capacities", ["auto", "0"],
+                                "Capacities to time the loop dispatch with (auto: the default).")
 _DISPATCHES = flags.DEFINE_list("dispatches", ["dense", "ragged", "loop"],
                                 "Dispatches to time.")
 _SECONDS = flags.DEFINE_float("seconds", 1.0, "Least time spent timing each function.")
@@ -76,13 +85,16 @@ def main(argv):
     row = {"experts": num_experts, "routed": routed_baseline(*args)}
     for name in _DISPATCHES.value:
       row[name] = timings(expert_dispatch.DISPATCHES[name], *args)
-    for tiers in _BLOCKS.value:
+    sizes = jnp.bincount(args[1].reshape(-1), length=num_experts)
+    for tiers, rows_per_expert in itertools.product(_BLOCKS.value, _CAPACITIES.value):
       blocks = tuple(int(b) for b in tiers.split("+"))
-      loop = lambda *a, blocks=blocks: expert_dispatch.loop(*a, blocks=blocks)
-      row[f"loop_blocks_{tiers}"] = timings(loop, *args)
-      sizes = jnp.bincount(args[1].reshape(-1), length=num_experts)
-      row[f"loop_blocks_{tiers}"]["work"] = float(
-          grouped_mlp.computed_rows(sizes, blocks) / args[1].size)
+      capacity = None if rows_per_expert == "auto" else int(rows_per_expert)
+      loop = lambda *a, blocks=blocks, capacity=capacity: expert_dispatch.loop(
+          *a, blocks=blocks, capacity_rows=capacity)
+      name = f"loop_blocks_{tiers}_capacity_{rows_per_expert}"
+      row[name] = timings(loop, *args)
+      row[name]["work"] = float(grouped_mlp.computed_rows(sizes, blocks, capacity)
+                                / args[1].size)
     results.append(row)
     print(f"E={num_experts}: " + ", ".join(
         f"{k} {v['forward']:.1f}/{v['backward']:.1f}" + (f" (work {v['work']:.3f}x)"

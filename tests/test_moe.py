@@ -116,10 +116,13 @@ class DispatchTest(chex.TestCase):
                                   rtol=1e-5, atol=1e-5, custom_message=name)
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters((16, 4), (32,), grouped_mlp.BLOCK_ROWS)
-  def test_grouped_mlp_and_its_vjp_match_float64(self, *blocks):
+  @parameterized.parameters(((16, 4), 0), ((32,), 0), (grouped_mlp.BLOCK_ROWS, 0),
+                            ((16, 4), None), ((32,), 8), ((16, 4), 80))
+  def test_grouped_mlp_and_its_vjp_match_float64(self, blocks, capacity_rows):
     """Output and all four gradients against numpy in float64, with tanh(gate) * up as
-    the hidden function (its derivative written out below)."""
+    the hidden function (its derivative written out below). Capacity 0 runs every row
+    through the loop, 80 every row batched; the default (32 here) and 8 split groups
+    between the two."""
     rng = np.random.RandomState(2)
     sizes = np.array([5, 0, 70, 1, 33], np.int32)   # an empty group; whole, partial blocks
     e, d, f = 5, 6, 4
@@ -140,7 +143,7 @@ class DispatchTest(chex.TestCase):
     expected_weights = (per_group(x, dg), per_group(x, du), per_group(h, dy))
 
     mlp = lambda r, *w: grouped_mlp.grouped_mlp(r, *w, sizes, lambda a, b: jnp.tanh(a) * b,
-                                                blocks)
+                                                blocks, capacity_rows)
     out, vjp = self.variant(lambda *a: jax.vjp(mlp, *a))(rows, gate, up, down)
     grads = vjp(grad_out)
     chex.assert_shape(out, rows.shape)
@@ -188,23 +191,27 @@ class DispatchTest(chex.TestCase):
     chex.assert_trees_all_close(grads("loop", True), reference, rtol=1e-5, atol=1e-5)
     assert not np.allclose(plain[0]["down"], reference[0]["down"], rtol=1e-2)
 
-  @parameterized.parameters((128, 32), (32,), (256, 128, 32))
-  def test_computed_rows_count_each_groups_padded_blocks(self, *blocks):
-    """computed_rows counts what the loops multiply: per group, greedy whole blocks of
-    each larger tier, then the rest in smallest blocks, the last one padded; tiers no
-    group can fill (longer than all rows) are skipped."""
+  @parameterized.parameters(((128, 32), 0), ((32,), 0), ((256, 128, 32), 0),
+                            ((128, 32), 40), ((128, 32), None))
+  def test_computed_rows_count_each_groups_padded_blocks(self, blocks, capacity_rows):
+    """computed_rows counts what is multiplied: C rows per group batched, then past them,
+    per group, greedy whole blocks of each larger tier, then the rest in smallest blocks,
+    the last one padded; tiers no group can fill (longer than all rows) are skipped."""
     sizes = np.array([0, 1, 31, 32, 33, 127, 128, 129, 300], np.int32)
 
-    def by_hand(size, total):
-      done, rest = 0, size
+    def by_hand(size, total, c):
+      done, rest = c, max(size - c, 0)
       for block in [b for b in blocks[:-1] if b <= total]:
         done, rest = done + rest // block * block, rest % block
       return done + -(-rest // blocks[-1]) * blocks[-1]
 
     for group_sizes in (sizes, sizes[:4]):
       total = int(group_sizes.sum())
-      want = sum(by_hand(int(size), total) for size in group_sizes)
-      self.assertEqual(int(grouped_mlp.computed_rows(jnp.asarray(group_sizes), blocks)), want)
+      mean = total / len(group_sizes)     # the default: mean + sqrt(mean), up to 8s
+      c = int(np.ceil((mean + np.sqrt(mean)) / 8) * 8) if capacity_rows is None else capacity_rows
+      want = sum(by_hand(int(size), total, c) for size in group_sizes)
+      self.assertEqual(int(grouped_mlp.computed_rows(jnp.asarray(group_sizes), blocks,
+                                                     capacity_rows)), want)
 
   def test_auto_picks_the_loop_on_cpu_and_sliced_for_few_rows(self):
     self.assertEqual(jax.default_backend(), "cpu")

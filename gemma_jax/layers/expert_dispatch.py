@@ -14,9 +14,10 @@ dropless: every assignment is computed, however unbalanced the routing.
            projection (`jax.lax.ragged_dot`), then unsorted and combined. Native on GPU
            and TPU; XLA's CPU backend lowers ragged_dot to a masked product over every
            expert, E times the work.
-  loop     sorted the same way, the experts' MLPs as one loop over experts and blocks
-           of rows (`grouped_mlp`): the routed work plus less than one small block per
-           expert. For the CPU.
+  loop     sorted the same way, the experts' MLPs as one batched product over each
+           expert's first C rows and a loop over experts and blocks of rows for the
+           rest (`grouped_mlp`): the routed work plus the padding of short experts' C
+           rows and of the loop's blocks. For the CPU.
   gather   each assignment's expert weights gathered and applied to its token: the
            routed work exactly, reading M * k expert matrices. For few tokens (decoding),
            where that is fewer than the E every grouped matmul reads.
@@ -25,7 +26,7 @@ dropless: every assignment is computed, however unbalanced the routing.
            [M, k, D, F] gathers and batched products at a fraction of the memory's speed.
 """
 
-from typing import Callable, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -77,10 +78,13 @@ def ragged(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Arra
 
 
 def loop(x, expert_ids, weights, gate, up, down, hidden: Callable,
-         blocks: Tuple[int, ...] = grouped_mlp.BLOCK_ROWS) -> jax.Array:
-  """The experts' MLPs by `grouped_mlp.grouped_mlp`: one loop over experts and blocks of
-  rows, in the tiers `blocks` (largest first)."""
-  mlp = lambda rows, sizes: grouped_mlp.grouped_mlp(rows, gate, up, down, sizes, hidden, blocks)
+         blocks: Tuple[int, ...] = grouped_mlp.BLOCK_ROWS,
+         capacity_rows: Optional[int] = None) -> jax.Array:
+  """The experts' MLPs by `grouped_mlp.grouped_mlp`: each expert's first `capacity_rows`
+  rows batched (default `grouped_mlp.capacity`), the rest in a loop over experts and
+  blocks of rows, in the tiers `blocks` (largest first)."""
+  mlp = lambda rows, sizes: grouped_mlp.grouped_mlp(rows, gate, up, down, sizes, hidden, blocks,
+                                                    capacity_rows)
   return _sorted(x, expert_ids, weights, gate.shape[0], mlp)
 
 
