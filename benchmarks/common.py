@@ -21,6 +21,31 @@ import gemma_jax as gj
 from gemma_jax.training import optimizer, steps
 
 
+# Small Gemma 3 and Gemma 4-MoE shapes at d_model 512 (CPU-sized); gemma3-small,
+# gemma4-moe-16x4 and gemma3-long are issue 21's target shapes.
+_D512 = dict(vocab_size=4096, num_layers=6, d_model=512, num_heads=8, num_kv_heads=4,
+             head_dim=64, sliding_window=128)
+_MOE = dict(_D512, global_head_dim=128, global_num_kv_heads=2, mlp_dim=1024,
+            expert_mlp_dim=512)
+SHAPES = {
+    "gemma3": ("gemma3-tiny", dict(_D512, mlp_dim=2048)),
+    "gemma4-moe": ("gemma4-moe-tiny", dict(_MOE, num_experts=8, experts_per_token=2)),
+    "gemma3-small": ("gemma3-tiny", dict(_D512, mlp_dim=2048, num_layers=12,
+                                         sliding_window=256)),
+    "gemma4-moe-16x4": ("gemma4-moe-tiny", dict(_MOE, num_experts=16, experts_per_token=4)),
+    # Long rows: the published window (512), e.g. --batch_size=1 --seq_len=8192.
+    "gemma3-long": ("gemma3-tiny", dict(_D512, mlp_dim=2048, sliding_window=512)),
+}
+
+
+def shape_config(name: str):
+  """The config of a shape of SHAPES, or of the preset of that name."""
+  preset, shape = SHAPES.get(name, (name, {}))
+  config = gj.get_config(preset)
+  config.model.update(shape)
+  return config
+
+
 def median_seconds(fn: Callable[[], object], *, min_runs: int = 3,
                    min_seconds: float = 1.0) -> float:
   """Median wall time of fn() (which must block until its work is done), after one

@@ -31,7 +31,8 @@ import numpy as np
 import common
 import gemma_jax as gj
 
-_PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name.")
+_PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name, or a shape of "
+                               "common.SHAPES (e.g. gemma4-moe-16x4).")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Rows.")
 _SEQ = flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
@@ -100,7 +101,7 @@ def part_of(op_name: str) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  config = gj.get_config(_PRESET.value)
+  config = common.shape_config(_PRESET.value)
   config.model.update(dtype=_DTYPE.value, remat_policy=_REMAT.value,
                       scan_unroll=_UNROLL.value, attention_kernel=_KERNEL.value)
   b, t = _BATCH.value, _SEQ.value

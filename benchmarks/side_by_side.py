@@ -48,24 +48,8 @@ from gemma_jax import host_memory
 from gemma_jax.inference import decoding, sampler
 from gemma_jax.training import data, flops, optimizer, steps
 
-# Small Gemma 3 and Gemma 4-MoE shapes at d_model 512 (CPU-sized), or any preset by name;
-# gemma3-small, gemma4-moe-16x4 and gemma3-long are issue 21's target shapes.
-_D512 = dict(vocab_size=4096, num_layers=6, d_model=512, num_heads=8, num_kv_heads=4,
-             head_dim=64, sliding_window=128)
-_MOE = dict(_D512, global_head_dim=128, global_num_kv_heads=2, mlp_dim=1024,
-            expert_mlp_dim=512)
-SHAPES = {
-    "gemma3": ("gemma3-tiny", dict(_D512, mlp_dim=2048)),
-    "gemma4-moe": ("gemma4-moe-tiny", dict(_MOE, num_experts=8, experts_per_token=2)),
-    "gemma3-small": ("gemma3-tiny", dict(_D512, mlp_dim=2048, num_layers=12,
-                                         sliding_window=256)),
-    "gemma4-moe-16x4": ("gemma4-moe-tiny", dict(_MOE, num_experts=16, experts_per_token=4)),
-    # Long rows: the published window (512), e.g. --batch_size=1 --seq_len=8192.
-    "gemma3-long": ("gemma3-tiny", dict(_D512, mlp_dim=2048, sliding_window=512)),
-}
-
 _SHAPES = flags.DEFINE_list("shapes", ["gemma3", "gemma4-moe"],
-                            f"Shapes: {sorted(SHAPES)} or preset names.")
+                            f"Shapes: {sorted(common.SHAPES)} or preset names.")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Rows of the train and forward batches.")
 _SEQ = flags.DEFINE_integer("seq_len", 512, "Tokens per row of the train and forward batches.")
 _DECODE_BATCH = flags.DEFINE_integer("decode_batch_size", 1, "Prompts decoded together.")
@@ -85,9 +69,7 @@ _OUT = flags.DEFINE_string("out", None, "JSON output; default "
 
 
 def model_config(name: str):
-  preset, shape = SHAPES.get(name, (name, {}))
-  config = gj.get_config(preset)
-  config.model.update(shape)
+  config = common.shape_config(name)
   config.model.dtype = _DTYPE.value
   config.model.remat_policy = _REMAT.value
   config.model.attention_kernel = _KERNEL.value

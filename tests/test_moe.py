@@ -121,7 +121,7 @@ class DispatchTest(chex.TestCase):
   def test_grouped_mlp_and_its_vjp_match_float64(self, blocks, capacity_rows):
     """Output and all four gradients against numpy in float64, with tanh(gate) * up as
     the hidden function (its derivative written out below). Capacity 0 runs every row
-    through the loop, 80 every row batched; the default (32 here) and 8 split groups
+    through the loop, 80 every row batched; the default (27 here) and 8 split groups
     between the two."""
     rng = np.random.RandomState(2)
     sizes = np.array([5, 0, 70, 1, 33], np.int32)   # an empty group; whole, partial blocks
@@ -207,8 +207,8 @@ class DispatchTest(chex.TestCase):
 
     for group_sizes in (sizes, sizes[:4]):
       total = int(group_sizes.sum())
-      mean = total / len(group_sizes)     # the default: mean + sqrt(mean), up to 8s
-      c = int(np.ceil((mean + np.sqrt(mean)) / 8) * 8) if capacity_rows is None else capacity_rows
+      mean = total / len(group_sizes)     # the default: mean + sqrt(mean), rounded up
+      c = int(np.ceil(mean + np.sqrt(mean))) if capacity_rows is None else capacity_rows
       want = sum(by_hand(int(size), total, c) for size in group_sizes)
       self.assertEqual(int(grouped_mlp.computed_rows(jnp.asarray(group_sizes), blocks,
                                                      capacity_rows)), want)

@@ -8,7 +8,7 @@ What three `jax.lax.ragged_dot`s would compute, without their cost on the CPU: X
 backend lowers ragged_dot to a masked product of every row with every group's weights
 (E times the work).
 
-Each group's first C rows (its capacity, `capacity`: about the mean group size plus one
+Each group's first C rows (its capacity, `capacity`: the mean group size plus one
 standard deviation of a uniform routing's) go through their expert as one batched
 product per projection, [E, C, D] x [E, D, F]: XLA's CPU backend runs that at the speed
 of one large matmul, twice that of the loop's 128-row products (16 experts of 256 rows,
@@ -47,11 +47,12 @@ Hidden = Callable[[jax.Array, jax.Array], jax.Array]   # gate, up outputs [R, F]
 
 def capacity(rows: int, groups: int) -> int:
   """C, the rows per group of the batched product: the mean group size plus its standard
-  deviation under a uniform routing (about the mean's square root), rounded up to a
-  multiple of 8, at most `rows`. Larger wastes batched rows on short groups; smaller
-  sends more rows through the loop's slower blocks."""
+  deviation under a uniform routing (about the mean's square root), rounded up, at most
+  `rows`. Larger wastes batched rows on short groups; smaller sends more rows through
+  the loop's slower blocks (16 experts of 256 rows on average: C = 272 and 288 timed
+  alike, 256 and 264 4-10% slower forward and backward)."""
   mean = rows / groups
-  return min(rows, 8 * math.ceil((mean + math.sqrt(mean)) / 8))
+  return min(rows, math.ceil(mean + math.sqrt(mean)))
 
 
 def _tiers(size: jax.Array, blocks: Sequence[int],
