@@ -117,14 +117,18 @@ class DispatchTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(((16, 4), 0), ((32,), 0), (grouped_mlp.BLOCK_ROWS, 0),
-                            ((16, 4), None), ((32,), 8), ((16, 4), 80))
-  def test_grouped_mlp_and_its_vjp_match_float64(self, blocks, capacity_rows):
+                            ((16, 4), None), ((32,), 8), ((16, 4), 80),
+                            ((32,), 0, (3, 0, 4, 1, 0)))
+  def test_grouped_mlp_and_its_vjp_match_float64(self, blocks, capacity_rows,
+                                                 sizes=(5, 0, 70, 1, 33)):
     """Output and all four gradients against numpy in float64, with tanh(gate) * up as
     the hidden function (its derivative written out below). Capacity 0 runs every row
     through the loop, 80 every row batched; the default (27 here) and 8 split groups
-    between the two."""
+    between the two. The default sizes have an empty group, whole and partial blocks, and
+    a last partial block that ends past the rows (moved back); the last case has fewer
+    rows than one block."""
     rng = np.random.RandomState(2)
-    sizes = np.array([5, 0, 70, 1, 33], np.int32)   # an empty group; whole, partial blocks
+    sizes = np.array(sizes, np.int32)
     e, d, f = 5, 6, 4
     rows = rng.normal(size=(sizes.sum(), d)).astype(np.float32)
     gate, up = (rng.normal(size=(e, d, f)).astype(np.float32) * 0.5 for _ in range(2))

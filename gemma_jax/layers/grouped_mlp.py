@@ -103,8 +103,10 @@ def _layout(group_sizes: jax.Array, rows: int, c: int) -> _Layout:
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
-  """Appends zero rows, so that a block starting at any row stays in bounds."""
-  return jnp.concatenate([x, jnp.zeros((rows, x.shape[1]), x.dtype)])
+  """x [A, D] with zero rows appended up to `rows` (x itself if it has as many): only a
+  problem with fewer rows than a block needs them."""
+  extra = rows - x.shape[0]
+  return jnp.concatenate([x, jnp.zeros((extra, x.shape[1]), x.dtype)]) if extra > 0 else x
 
 
 def _pure(hidden: Hidden, row_counts: Sequence[int], width: int, dtype) -> Dict[int, Hidden]:
@@ -126,14 +128,19 @@ def _loop(layout: _Layout, c: int, blocks: Sequence[int], rows: int, weights, ca
           block_step: Callable, group_state: Callable = lambda: (),
           finish: Callable = lambda carry, state, e: carry):
   """Runs the loop over each group's rows from c on, group by group (only the groups
-  with such rows), block by block in tiers -> the final carry.
+  with such rows), block by block in tiers -> the final carry. The arrays it indexes
+  hold max(rows, smallest block) rows.
 
   Per group e, its experts' `weights` are sliced once and `state` starts as
   group_state(); per block, (carry, state) = block_step(carry, state, ws (e's weights),
   row (the block's first), block (its rows), own (a [block, 1] mask of the rows that are
-  e's, None where all are: only the last tier's blocks are partial)); after the group,
-  carry = finish(carry, state, e).
+  the block's to compute, None where all are)); after the group, carry = finish(carry,
+  state, e). Whole blocks lie within their group. A partial one (the last tier's last)
+  is its group's rows from its start to the group's end; one that would run past the
+  arrays' end is moved back to end there, its mask then also excluding the rows before
+  its start, which earlier blocks own.
   """
+  length = max(rows, blocks[-1])
   first = layout.starts + c
   sizes = jnp.maximum(layout.ends - first, 0)
   busy = jnp.nonzero(sizes, size=sizes.shape[0])[0]
@@ -144,9 +151,13 @@ def _loop(layout: _Layout, c: int, blocks: Sequence[int], rows: int, weights, ca
     tiers = list(_tiers(sizes[e], blocks, rows))
     state = group_state()
     for tier, (block, offset, count) in enumerate(tiers):
-      def step(i, both, block=block, start=first[e] + offset, partial=tier == len(tiers) - 1):
-        row = start + i * block
-        own = (jnp.arange(block) < layout.ends[e] - row)[:, None] if partial else None
+      def step(i, both, block=block, first=first[e] + offset, partial=tier == len(tiers) - 1):
+        start = first + i * block
+        row, own = start, None
+        if partial:
+          row = jnp.minimum(start, length - block)
+          index = row + jnp.arange(block)[:, None]
+          own = (index >= start) & (index < layout.ends[e])
         return block_step(*both, ws, row, block, own)
       carry, state = jax.lax.fori_loop(0, count, step, (carry, state))
     return finish(carry, state, e)
@@ -178,7 +189,7 @@ def _forward(rows, gate, up, down, group_sizes, hiddens, blocks, c: int):
     out = out.reshape(e * c, d)[layout.slot_of_row]
   else:
     out, g, u = jnp.zeros((a, d), jnp.result_type(rows, gate)), None, None
-  out, rows = _pad_rows(out, blocks[-1]), _pad_rows(rows, blocks[-1])
+  out, rows = _pad_rows(out, blocks[-1]), _pad_rows(rows, blocks[-1])   # a < one block
 
   def step(out, state, ws, row, block, own):
     x = jax.lax.dynamic_slice(rows, (row, 0), (block, d))
@@ -219,9 +230,8 @@ def _backward(rows, gate, up, down, group_sizes, saved_gate, saved_up, grad_out,
   else:
     grad_rows = jnp.zeros_like(rows)
     grads = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
-  grad_rows = _pad_rows(grad_rows, blocks[-1])
   # The loop: gate and up recomputed; its weight gradients added to the batched part's.
-  rows, grad_out = _pad_rows(rows, blocks[-1]), _pad_rows(grad_out, blocks[-1])
+  grad_rows, rows, grad_out = (_pad_rows(v, blocks[-1]) for v in (grad_rows, rows, grad_out))
 
   def step(carry, sums, ws, row, block, own):
     (grad_rows, grads), (w_gate, w_up, w_down) = carry, ws
