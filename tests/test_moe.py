@@ -118,23 +118,26 @@ class DispatchTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters(((16, 4), 0), ((32,), 0), (grouped_mlp.BLOCK_ROWS, 0),
                             ((16, 4), None), ((32,), 8), ((16, 4), 80),
-                            ((32,), 0, (3, 0, 4, 1, 0)))
+                            ((32,), 0, (3, 0, 4, 1, 0)), ((16, 4), 8, (5, 0, 30, 1, 9), 40))
   def test_grouped_mlp_and_its_vjp_match_float64(self, blocks, capacity_rows,
-                                                 sizes=(5, 0, 70, 1, 33)):
+                                                 sizes=(5, 0, 70, 1, 33), ungrouped=0):
     """Output and all four gradients against numpy in float64, with tanh(gate) * up as
     the hidden function (its derivative written out below). Capacity 0 runs every row
     through the loop, 80 every row batched; the default (27 here) and 8 split groups
     between the two. The default sizes have an empty group, whole and partial blocks, and
-    a last partial block that ends past the rows (moved back); the last case has fewer
-    rows than one block."""
+    a last partial block that ends past the rows (moved back); one case has fewer rows
+    than one block; the last has `ungrouped` rows past the groups (another device's
+    under expert parallelism): zero out, zero gradient."""
     rng = np.random.RandomState(2)
     sizes = np.array(sizes, np.int32)
     e, d, f = 5, 6, 4
-    rows = rng.normal(size=(sizes.sum(), d)).astype(np.float32)
+    a = sizes.sum() + ungrouped
+    rows = rng.normal(size=(a, d)).astype(np.float32)
     gate, up = (rng.normal(size=(e, d, f)).astype(np.float32) * 0.5 for _ in range(2))
     down = rng.normal(size=(e, f, d)).astype(np.float32) * 0.5
-    grad_out = rng.normal(size=(sizes.sum(), d)).astype(np.float32)
+    grad_out = rng.normal(size=(a, d)).astype(np.float32)
     group = np.repeat(np.arange(e), sizes)
+    rows, grad_out, ungrouped_rows = rows[:sizes.sum()], grad_out[:sizes.sum()], (rows, grad_out)
     x, dy = rows.astype(np.float64), grad_out.astype(np.float64)
     wg, wu, wd = (w.astype(np.float64)[group] for w in (gate, up, down))   # [A, ...]
     g, u = np.einsum("ad,adf->af", x, wg), np.einsum("ad,adf->af", x, wu)
@@ -148,9 +151,12 @@ class DispatchTest(chex.TestCase):
 
     mlp = lambda r, *w: grouped_mlp.grouped_mlp(r, *w, sizes, lambda a, b: jnp.tanh(a) * b,
                                                 blocks, capacity_rows)
-    out, vjp = self.variant(lambda *a: jax.vjp(mlp, *a))(rows, gate, up, down)
-    grads = vjp(grad_out)
-    chex.assert_shape(out, rows.shape)
+    out, vjp = self.variant(lambda *a: jax.vjp(mlp, *a))(ungrouped_rows[0], gate, up, down)
+    grads = vjp(ungrouped_rows[1])
+    chex.assert_shape(out, (a, d))
+    np.testing.assert_array_equal(out[sizes.sum():], 0)
+    np.testing.assert_array_equal(grads[0][sizes.sum():], 0)
+    out, grads = out[:sizes.sum()], (grads[0][:sizes.sum()], *grads[1:])
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grads[0], expected_rows, rtol=1e-5, atol=1e-5)
     for got, want, name in zip(grads[1:], expected_weights, ("gate", "up", "down")):

@@ -22,7 +22,7 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import planning, sharding
-from gemma_jax.layers import chunked_loss
+from gemma_jax.layers import chunked_loss, grouped_mlp
 from gemma_jax.training import checkpoints, data, metrics, steps
 from test_training import REPO, write_config_file
 
@@ -175,6 +175,28 @@ def test_expert_parallel_moves_tokens_not_expert_weights():
                    f"f32[{m.num_experts},{m.expert_mlp_dim},{m.d_model}]"}
   assert gathered and not [s for s in gathered if s.split("{")[0] in whole_experts], gathered
   assert "reduce-scatter(" in hlo.as_text()
+
+
+def test_expert_parallel_loop_sizes_its_batch_for_its_own_rows():
+  """On the CPU each device's loop dispatch gets every assignment of its expert group
+  (all-gathered) but is routed about 1 / P of them: its batched product holds the
+  capacity for those, not for all (which would multiply P times the rows it needs)."""
+  config = moe_config(MOE_MESHES["expert4_data2"])
+  mesh = sharding.make_mesh(config.mesh)
+  model = gj.transform(config)
+  params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
+  tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+  with sharding.activate(mesh):
+    text = jax.jit(lambda p, t: model.apply(p, t),
+                   in_shardings=(sharding.param_shardings(config, mesh),
+                                 sharding.batch_sharding(mesh))).lower(params, tokens).as_text()
+  m = config.model
+  # A device's expert group all-gathers B x T / data tokens; 1 / expert of their
+  # assignments are routed to its expert, on average.
+  per_device = tokens.shape[0] * tokens.shape[1] * m.experts_per_token // (2 * 4)
+  batched = lambda rows: f"tensor<1x{grouped_mlp.capacity(rows, 1)}x{m.expert_mlp_dim}xf32>"
+  assert batched(per_device) in text
+  assert batched(4 * per_device) not in text
 
 
 def test_fsdp8_device_holds_an_eighth_plus_small_vectors():

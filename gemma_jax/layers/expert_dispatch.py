@@ -26,6 +26,7 @@ dropless: every assignment is computed, however unbalanced the routing.
            [M, k, D, F] gathers and batched products at a fraction of the memory's speed.
 """
 
+import functools
 from typing import Callable, Optional, Sequence, Tuple
 
 import jax
@@ -134,6 +135,17 @@ def switched(x, expert_ids, weights, gate: Sequence[jax.Array], up: Sequence[jax
 
 DISPATCHES = {"dense": dense, "ragged": ragged, "loop": loop, "gather": gather,
               "sliced": sliced}
+
+
+def for_rows(name: str, assignments: int, num_experts: int) -> Callable:
+  """The dispatch `name` ("auto": `resolve`d) for about `assignments` routed rows over
+  `num_experts` experts: the loop with its capacity sized for those rows, not for the
+  rows it is given (under expert parallelism, every device's assignments)."""
+  resolved = resolve(name, assignments, num_experts)
+  if resolved == "loop":
+    return functools.partial(loop, capacity_rows=grouped_mlp.capacity(assignments,
+                                                                      num_experts))
+  return DISPATCHES[resolved]
 
 
 def resolve(name: str, assignments: int, num_experts: int) -> str:

@@ -45,7 +45,8 @@ def run_sharded(dispatch: Callable[[int, int], Callable], x, expert_ids, weights
   each device of the active mesh's `expert` axis running its E / P experts.
 
   dispatch(assignments, experts) picks the dispatch for the per-device problem (see
-  `expert_dispatch.resolve`).
+  `expert_dispatch.for_rows`): about 1 / P of the gathered assignments, over E / P
+  experts.
   """
   mesh = jax.sharding.get_abstract_mesh()
   rows = PartitionSpec(tuple(a for a in BATCH_AXES if a in mesh.shape), None)
@@ -58,7 +59,7 @@ def run_sharded(dispatch: Callable[[int, int], Callable], x, expert_ids, weights
     first = jax.lax.axis_index(AXIS) * count
     mine = (expert_ids >= first) & (expert_ids < first + count)
     local_ids = jnp.where(mine, expert_ids - first, count)      # `count`: no group
-    run = dispatch(expert_ids.size, count)
+    run = dispatch(expert_ids.size // mesh.shape[AXIS], count)
     y = run(x, local_ids, jnp.where(mine, weights, 0), gate, up, down, hidden)
     return jax.lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True)
 

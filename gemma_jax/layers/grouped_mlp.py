@@ -89,6 +89,7 @@ class _Layout(NamedTuple):
   owned: jax.Array        # [E, c] whether that row is the slot's group's
   slot_of_row: jax.Array  # [A] a row's batched slot in [E * c]; rows past c (the loop's)
                           # take their group's last, and the loop overwrites them
+  grouped: jax.Array      # [A, 1] whether the row is in a group (the groups may end early)
 
 
 def _layout(group_sizes: jax.Array, rows: int, c: int) -> _Layout:
@@ -99,7 +100,8 @@ def _layout(group_sizes: jax.Array, rows: int, c: int) -> _Layout:
   group = jnp.repeat(jnp.arange(e), group_sizes, total_repeat_length=rows)
   index = jnp.arange(rows) - starts[group]          # a row's index within its group
   return _Layout(starts, ends, jnp.minimum(starts[:, None] + within, rows - 1),
-                 within < group_sizes[:, None], group * c + jnp.minimum(index, c - 1))
+                 within < group_sizes[:, None], group * c + jnp.minimum(index, c - 1),
+                 (jnp.arange(rows) < ends[-1])[:, None])
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -186,7 +188,7 @@ def _forward(rows, gate, up, down, group_sizes, hiddens, blocks, c: int):
   layout = _layout(group_sizes, a, c)
   if c:
     out, g, u = _batched_forward(rows, gate, up, down, layout, hiddens[e * c])
-    out = out.reshape(e * c, d)[layout.slot_of_row]
+    out = jnp.where(layout.grouped, out.reshape(e * c, d)[layout.slot_of_row], 0)
   else:
     out, g, u = jnp.zeros((a, d), jnp.result_type(rows, gate)), None, None
   out, rows = _pad_rows(out, blocks[-1]), _pad_rows(rows, blocks[-1])   # a < one block
@@ -226,7 +228,8 @@ def _backward(rows, gate, up, down, group_sizes, saved_gate, saved_up, grad_out,
   if c:
     grad_rows, grads = _batched_backward(rows, gate, up, down, layout, saved_gate, saved_up,
                                          grad_out, hiddens[e * c])
-    grad_rows = grad_rows.reshape(e * c, d)[layout.slot_of_row].astype(rows.dtype)
+    grad_rows = jnp.where(layout.grouped, grad_rows.reshape(e * c, d)[layout.slot_of_row],
+                          0).astype(rows.dtype)
   else:
     grad_rows = jnp.zeros_like(rows)
     grads = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
@@ -283,9 +286,10 @@ def grouped_mlp(rows: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array
                 blocks: Sequence[int] = BLOCK_ROWS,
                 capacity_rows: Optional[int] = None) -> jax.Array:
   """rows [A, D] (group 0's rows first, then group 1's, ...), gate and up [E, D, F],
-  down [E, F, D], group_sizes [E] int summing to A, hidden(gate_out, up_out) a row-wise
-  function of two [R, F] arrays (e.g. gelu(gate_out) * up_out) -> [A, D]: row r of
-  group e through expert e's MLP. `blocks`: the loop's row tiers, largest first;
+  down [E, F, D], group_sizes [E] int summing to A or less, hidden(gate_out, up_out) a
+  row-wise function of two [R, F] arrays (e.g. gelu(gate_out) * up_out) -> [A, D]: row r
+  of group e through expert e's MLP; rows past the last group zero, with zero gradients
+  (under expert parallelism a device's groups hold only its own experts' rows). `blocks`: the loop's row tiers, largest first;
   `capacity_rows`: C (default `capacity`; 0: every row through the loop)."""
   a, e = rows.shape[0], gate.shape[0]
   c = capacity(a, e) if capacity_rows is None else capacity_rows

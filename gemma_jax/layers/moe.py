@@ -11,6 +11,7 @@ Auxiliary outputs are sown into the "intermediates" collection, one value per la
 when their weights are positive. `summarize` averages them over the layers.
 """
 
+import functools
 from typing import Dict, NamedTuple
 
 import flax
@@ -99,8 +100,7 @@ class Experts(nn.Module):
   def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
     """x: [M, D] -> [M, D], the weighted sum of each token's k experts."""
     gate, up, down = self.weights(x.shape[-1])
-    dispatch = lambda assignments, experts: expert_dispatch.DISPATCHES[
-        expert_dispatch.resolve(self.dispatch, assignments, experts)]
+    dispatch = functools.partial(expert_dispatch.for_rows, self.dispatch)
     sharded = expert_parallel.expert_shards(x.shape[0]) > 1
     if isinstance(gate, tuple):   # one array per expert (`split_experts`)
       if not sharded and dispatch(routing.expert_ids.size, self.num_experts) is (
