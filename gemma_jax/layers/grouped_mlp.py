@@ -97,7 +97,7 @@ def _layout(group_sizes: jax.Array, rows: int, c: int) -> _Layout:
   ends = jnp.cumsum(group_sizes)
   starts = ends - group_sizes
   within = jnp.arange(c)
-  group = jnp.repeat(jnp.arange(e), group_sizes, total_repeat_length=rows)
+  group = jnp.minimum(jnp.sum(jnp.arange(rows)[:, None] >= ends, axis=1), e - 1)
   index = jnp.arange(rows) - starts[group]          # a row's index within its group
   return _Layout(starts, ends, jnp.minimum(starts[:, None] + within, rows - 1),
                  within < group_sizes[:, None], group * c + jnp.minimum(index, c - 1),
@@ -145,7 +145,7 @@ def _loop(layout: _Layout, c: int, blocks: Sequence[int], rows: int, weights, ca
   length = max(rows, blocks[-1])
   first = layout.starts + c
   sizes = jnp.maximum(layout.ends - first, 0)
-  busy = jnp.nonzero(sizes, size=sizes.shape[0])[0]
+  busy = jnp.argsort(sizes == 0, stable=True)          # the groups with rows first
 
   def group(j, carry):
     e = busy[j]
