@@ -156,41 +156,39 @@ def test_expert_parallel_losses_equal_single_device(single_device_moe, name):
   assert gate.addressable_shards[0].data.shape[:2] == (1, 1)           # E over expert=4
 
 
-def test_expert_parallel_moves_tokens_not_expert_weights():
-  """Under expert=4 x data=2 each device runs its own expert: the compiled forward
-  all-gathers tokens and reduce-scatters outputs, and never gathers the [E, D, F]
-  expert weights onto one device (what the compiler does without `expert_parallel`)."""
+def expert4_data2_forward(tokens: jax.ShapeDtypeStruct):
+  """(the MoE model's config, its forward under expert=4 x data=2 lowered for `tokens`)."""
   config = moe_config(MOE_MESHES["expert4_data2"])
   mesh = sharding.make_mesh(config.mesh)
   model = gj.transform(config)
   params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
-  tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
   with sharding.activate(mesh):
-    hlo = jax.jit(lambda p, t: model.apply(p, t),
-                  in_shardings=(sharding.param_shardings(config, mesh),
-                                sharding.batch_sharding(mesh))).lower(params, tokens).compile()
-  gathered = re.findall(r"= (\S+) all-gather\(", hlo.as_text())
+    return config, jax.jit(lambda p, t: model.apply(p, t),
+                           in_shardings=(sharding.param_shardings(config, mesh),
+                                         sharding.batch_sharding(mesh))).lower(params, tokens)
+
+
+def test_expert_parallel_moves_tokens_not_expert_weights():
+  """Under expert=4 x data=2 each device runs its own expert: the compiled forward
+  all-gathers tokens and reduce-scatters outputs, and never gathers the [E, D, F]
+  expert weights onto one device (what the compiler does without `expert_parallel`)."""
+  config, lowered = expert4_data2_forward(jax.ShapeDtypeStruct((8, 16), jnp.int32))
+  hlo = lowered.compile().as_text()
+  gathered = re.findall(r"= (\S+) all-gather\(", hlo)
   m = config.model
   whole_experts = {f"f32[{m.num_experts},{m.d_model},{m.expert_mlp_dim}]",
                    f"f32[{m.num_experts},{m.expert_mlp_dim},{m.d_model}]"}
   assert gathered and not [s for s in gathered if s.split("{")[0] in whole_experts], gathered
-  assert "reduce-scatter(" in hlo.as_text()
+  assert "reduce-scatter(" in hlo
 
 
 def test_expert_parallel_loop_sizes_its_batch_for_its_own_rows():
   """On the CPU each device's loop dispatch gets every assignment of its expert group
   (all-gathered) but is routed about 1 / P of them: its batched product holds the
   capacity for those, not for all (which would multiply P times the rows it needs)."""
-  config = moe_config(MOE_MESHES["expert4_data2"])
-  mesh = sharding.make_mesh(config.mesh)
-  model = gj.transform(config)
-  params = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
   tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
-  with sharding.activate(mesh):
-    text = jax.jit(lambda p, t: model.apply(p, t),
-                   in_shardings=(sharding.param_shardings(config, mesh),
-                                 sharding.batch_sharding(mesh))).lower(params, tokens).as_text()
-  m = config.model
+  config, lowered = expert4_data2_forward(tokens)
+  text, m = lowered.as_text(), config.model
   # A device's expert group all-gathers B x T / data tokens; 1 / expert of their
   # assignments are routed to its expert, on average.
   per_device = tokens.shape[0] * tokens.shape[1] * m.experts_per_token // (2 * 4)
