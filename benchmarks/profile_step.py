@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import common
-import gemma_jax as gj
 
 _PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name, or a shape of "
                                "common.SHAPES (e.g. gemma4-moe-16x4).")
