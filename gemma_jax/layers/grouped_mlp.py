@@ -50,7 +50,7 @@ def capacity(rows: int, groups: int) -> int:
   deviation under a uniform routing (about the mean's square root), rounded up, at most
   `rows`. Larger wastes batched rows on short groups; smaller sends more rows through
   the loop's slower blocks (16 experts of 256 rows on average: C = 272 and 288 timed
-  alike, 256 and 264 4-10% slower forward and backward)."""
+  alike; 264 0-4% and 256 5-10% slower, forward and backward)."""
   mean = rows / groups
   return min(rows, math.ceil(mean + math.sqrt(mean)))
 
