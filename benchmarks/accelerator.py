@@ -12,8 +12,9 @@ optax's clipped AdamW, params and optimizer state donated; and the
 forward pass alone; per `--segment_ids`, without them (one document per row: cuDNN
 takes a causal layer's mask by its structure alone) or with them given (as packed rows
 are: cuDNN reads the mask array). A kernel that fails (e.g. cuDNN refusing a shape) is reported with
-its error and the others still run. Weights are float32, compute in `--dtype`. The first kernel's logits
-are the reference for the others' (max difference printed, with the first step's loss).
+its error and the others still run. Weights (and AdamW's state) are `--param_dtype`,
+compute in `--dtype`. The first kernel's logits are the reference for the others' (max
+difference printed, with the first step's loss; `--noforward` skips them).
 
 Decoding: greedy, cached (`sampler.generate`, one jitted while loop), weights cast to
 `--dtype` as a server holds them, `--prompt_len` prompt tokens then `--new_tokens`, at
@@ -48,6 +49,9 @@ _PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name.")
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Rows of the train and forward batches.")
 _SEQ = flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
+_PARAM_DTYPE = flags.DEFINE_string("param_dtype", "float32", "Parameter (and so AdamW "
+                                   "state) dtype: float32, or bfloat16 for a step wholly "
+                                   "in bfloat16.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
 _UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll: 'none' "
                               "keeps the layer loop rolled (26 layers compile in far less time).")
@@ -61,6 +65,10 @@ LOSS_NAMES = {"logits": "optax cross-entropy over apply", "chunked": "model.loss
 _CHUNK = flags.DEFINE_integer("loss_chunk_mib", None, "With --loss=chunked: float32 logits "
                               "per chunk, MiB (`chunked_loss.LOGITS_BYTES`); default the "
                               "library's budget (`chunked_loss.logits_budget`).")
+_ONE_PASS = flags.DEFINE_bool("one_pass_log_z", True, "With --loss=chunked: "
+                               "`chunked_loss.ONE_PASS_LOG_Z` (off: two reductions).")
+_FORWARD = flags.DEFINE_bool("forward", True, "Also time the forward pass (its own "
+                             "compile; the logits compared across kernels).")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed train steps (after one warm-up).")
 _DECODE = flags.DEFINE_list("decode_batch_sizes", ["1", "64"], "Decoded prompts per call.")
 _PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
@@ -80,6 +88,7 @@ def datasheet_peak() -> float:
 def model_config(kernel: str):
   config = gj.get_config(_PRESET.value)
   config.model.dtype = _DTYPE.value
+  config.model.param_dtype = _PARAM_DTYPE.value
   config.model.remat_policy = _REMAT.value
   config.model.scan_unroll = _UNROLL.value
   config.model.attention_kernel = kernel
@@ -110,7 +119,8 @@ def train_and_forward(kernel: str, segments: str, tokens: jax.Array) -> dict:
     return model.apply(params, tokens, segment_ids=jnp.ones_like(tokens) if with_ids else None)
 
   start = time.perf_counter()
-  logits = np.asarray(forward(params, tokens)[0, :64].astype(jnp.float32))
+  logits = (np.asarray(forward(params, tokens)[0, :64].astype(jnp.float32))
+            if _FORWARD.value else None)
   forward_first_s = time.perf_counter() - start     # its compile, mostly
   start = time.perf_counter()
   compiled = step.lower(params, opt_state, tokens).compile()
@@ -127,7 +137,8 @@ def train_and_forward(kernel: str, segments: str, tokens: jax.Array) -> dict:
   step_s = timed(run_step, _STEPS.value)
   stats = jax.devices()[0].memory_stats() or {}      # None on a CPU
   params = state[0]
-  forward_s = timed(lambda: jax.block_until_ready(forward(params, tokens)), _STEPS.value)
+  forward_s = (timed(lambda: jax.block_until_ready(forward(params, tokens)), _STEPS.value)
+               if _FORWARD.value else float("nan"))
   return {"kernel": kernel, "segment_ids": segments, "first_loss": first_loss, "logits": logits,
           "compile_s": compile_s, "forward_first_call_s": forward_first_s, "train_step_s": step_s, "forward_s": forward_s,
           "planned_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30,
@@ -155,6 +166,7 @@ def main(argv):
   b, t = _BATCH.value, _SEQ.value
   if _CHUNK.value:
     chunked_loss.LOGITS_BYTES = _CHUNK.value << 20
+  chunked_loss.ONE_PASS_LOG_Z = _ONE_PASS.value
   m = model_config("einsum").model
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, m.vocab_size, (b, t)), jnp.int32)
   flops_per_token = flops.training_flops_per_token(m, t)
@@ -169,7 +181,9 @@ def main(argv):
 
   def save():    # after each measurement, so that a run stopped at a time limit keeps them
     common.write_json(common.output_path(_OUT.value, "accelerator"),
-                      {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
+                      {"preset": _PRESET.value, "dtype": _DTYPE.value,
+                       "param_dtype": _PARAM_DTYPE.value,
+                       "one_pass_log_z": _ONE_PASS.value, "batch_size": b,
                        "seq_len": t, "loss": _LOSS.value, "loss_chunk_mib": _CHUNK.value,
                        "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
                        "flops_per_token": flops_per_token, "datasheet_peak": peak,
@@ -188,7 +202,8 @@ def main(argv):
       continue
     logits = r.pop("logits")
     reference = logits if reference is None else reference
-    r["max_logit_difference_vs_first"] = float(np.abs(logits - reference).max())
+    r["max_logit_difference_vs_first"] = (float(np.abs(logits - reference).max())
+                                           if _FORWARD.value else float("nan"))
     r["train_tokens_per_s"] = b * t / r["train_step_s"]
     r["train_mfu"] = r["train_tokens_per_s"] * flops_per_token / peak
     r["train_mfu_of_matmul"] = r["train_tokens_per_s"] * flops_per_token / measured_peak

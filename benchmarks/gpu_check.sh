@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # Issue 21's GPU figures in one call, for a short lease of a GPU machine:
-#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 4 x 2048; writes to $OUT
-#   PRESET=gemma3-tiny BATCH=2 SEQ=256 DTYPE=float32 bash benchmarks/gpu_check.sh   # a dry run
+#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 12 (and 16) x 2048; writes to $OUT
+#   PRESET=gemma3-tiny ROWS=2 MORE_ROWS=3 SEQ=256 DTYPE=float32 \
+#     bash benchmarks/gpu_check.sh                                        # a dry run
 #
-# 1. benchmarks/profile_step.py: the step of 2, by kernel, and its compiled HLO (a cold
-#    compile cache needed more than 110 s for it);
-# 2. benchmarks/accelerator.py as a user's loop runs by default (`scan_unroll` "auto":
-#    the layer loop unrolled), its step taking `model.loss(params, tokens)` (rows keep
-#    their length; loss chunks of 2048 rows), cuDNN attention given the mask by its
-#    structure alone (no segment_ids): 120.2 ms, 43.0% MFU on an H100;
-# 3. 2 at twice the rows (222.6 ms, 46.4%).
-# Decoding is on record for the H100 and H200.
-# On an H100 each unrolled gemma3-1b step compiles in ~30 s (the forward's beside it).
-# benchmarks/attention_kernels.py (one attention layer per kernel, tokamax's included)
-# is on record for the H100 and H200 and is not rerun.
+# The step as `benchmarks/accelerator.py` times a user's loop (`scan_unroll` "auto": the
+# layer loop unrolled; `model.loss(params, tokens)`; cuDNN attention given the mask by its
+# structure alone), forward pass not timed, at ROWS x 2048 (default 12: 47.6% MFU on an
+# H100 with float32 weights, 326 ms):
+# 1. weights (and so AdamW's state) in bfloat16, the loss's log-normalisers in one pass;
+# 2. the same at 16 rows;
+# 3. 1 with two passes (the A/B of `chunked_loss.ONE_PASS_LOG_Z`);
+# 4. 1 with float32 weights;
+# 5. benchmarks/profile_step.py of 1: the step by kernel.
+# Decoding, benchmarks/attention_kernels.py (tokamax's kernels included) and the
+# 4 and 8 row steps are on record for the H100 and H200 and are not rerun.
+# On an H100 each unrolled gemma3-1b step compiles in ~30 s.
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
 # Packages the machine lacks travel as wheels in .wheels/ (git-ignored), fetched here
@@ -40,18 +42,27 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # JAX's persistent cache across the runs: profile_step's step, and every run's init and
 # forward of the same config, load what an earlier run compiled (~30 s each on an H100).
 export JAX_COMPILATION_CACHE_DIR=/tmp/gpu_check_xla_cache
-model=(--preset="${PRESET:-gemma3-1b}" --batch_size="${BATCH:-4}" --seq_len="${SEQ:-2048}"
-       --dtype="${DTYPE:-bfloat16}")
+# The card's memory for the 16 rows (XLA's allocator takes 75% of it by default).
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
+rows=${ROWS:-12}
+model=(--preset="${PRESET:-gemma3-1b}" --seq_len="${SEQ:-2048}" --dtype="${DTYPE:-bfloat16}"
+       --scan_unroll=auto)
 cd benchmarks
-run() {  # seconds, log name, command...
+run() {  # seconds, name, command...: one log for all (the tool brings back 8 files at most)
   local limit=$1 name=$2
   shift 2
-  echo "$(date +%T) $name (limit $limit s)"
-  timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee "$out/$name.log"
+  echo "$(date +%T) $name (limit $limit s)" | tee -a "$out/gpu_check.log"
+  timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee -a "$out/gpu_check.log"
 }
-common=("${model[@]}" --scan_unroll=auto --steps=5 --kernels=jax --decode_batch_sizes=)
-run 170 profile_step python3 profile_step.py "${model[@]}" --scan_unroll=auto --loss=chunked \
-  --attention_kernel=jax --out="$out/profile_step.json" --hlo_out="$out/profile_step.hlo.gz"
-run 70 accelerator python3 accelerator.py "${common[@]}" --loss=chunked --out="$out/accelerator.json"
-run 90 accelerator_twice python3 accelerator.py "${common[@]}" --batch_size=$((2 * ${BATCH:-4})) \
-  --loss=chunked --out="$out/accelerator_twice.json"
+step=(python3 accelerator.py "${model[@]}" --loss=chunked --kernels=jax --steps=5
+      --decode_batch_sizes= --noforward)
+run 100 bf16 "${step[@]}" --batch_size="$rows" --param_dtype=bfloat16 \
+  --out="$out/accelerator_bf16.json"
+run 110 bf16_more_rows "${step[@]}" --batch_size="${MORE_ROWS:-16}" --param_dtype=bfloat16 \
+  --out="$out/accelerator_bf16_more_rows.json"
+run 100 bf16_two_pass "${step[@]}" --batch_size="$rows" --param_dtype=bfloat16 \
+  --noone_pass_log_z --out="$out/accelerator_bf16_two_pass.json"
+run 100 f32 "${step[@]}" --batch_size="$rows" --out="$out/accelerator_f32.json"
+run 150 profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
+  --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \
+  --out="$out/profile_step_bf16.json"

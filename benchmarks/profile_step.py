@@ -35,6 +35,7 @@ _PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name, or a shape of
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Rows.")
 _SEQ = flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
 _DTYPE = flags.DEFINE_string("dtype", "bfloat16", "Compute dtype.")
+_PARAM_DTYPE = flags.DEFINE_string("param_dtype", "float32", "Parameter dtype.")
 _KERNEL = flags.DEFINE_string("attention_kernel", "einsum", "Attention kernel.")
 _REMAT = flags.DEFINE_string("remat_policy", "none", "Remat policy.")
 _UNROLL = flags.DEFINE_string("scan_unroll", "none", "config.model.scan_unroll.")
@@ -101,8 +102,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   config = common.shape_config(_PRESET.value)
-  config.model.update(dtype=_DTYPE.value, remat_policy=_REMAT.value,
-                      scan_unroll=_UNROLL.value, attention_kernel=_KERNEL.value)
+  config.model.update(dtype=_DTYPE.value, param_dtype=_PARAM_DTYPE.value,
+                      remat_policy=_REMAT.value, scan_unroll=_UNROLL.value,
+                      attention_kernel=_KERNEL.value)
   b, t = _BATCH.value, _SEQ.value
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.model.vocab_size, (b, t)),
                        jnp.int32)
@@ -159,7 +161,8 @@ def main(argv):
   common.print_table("device time by part of the step (op_name)", ["part", "ms/step"],
                      [[p, ms] for p, ms in parts.most_common()])
   common.write_json(common.output_path(_OUT.value, "profile_step"),
-                    {"preset": _PRESET.value, "dtype": _DTYPE.value, "batch_size": b,
+                    {"preset": _PRESET.value, "dtype": _DTYPE.value,
+                     "param_dtype": _PARAM_DTYPE.value, "batch_size": b,
                      "seq_len": t, "attention_kernel": _KERNEL.value,
                      "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
                      "loss": _LOSS.value, "segment_ids": _SEGMENT_IDS.value,

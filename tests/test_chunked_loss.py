@@ -48,13 +48,14 @@ def _dense_float64(hidden, table, targets, weights, cap):
 
 @pytest.mark.parametrize("cap", [None, 3.0])
 @pytest.mark.parametrize("chunk,table_sum", [   # 4 does not divide T: the last chunk padded
-    (1, "platform"), (4, "platform"), (T, "platform"), (1, "vocab_first"), (4, "vocab_first")])
+    (1, "platform"), (4, "platform"), (T, "platform"), (1, "off_cpu"), (4, "off_cpu")])
 def test_chunked_sums_and_gradients_match_float64(cap, chunk, table_sum, monkeypatch):
-  """"vocab_first": the table gradient summed as [V, D], as off a CPU (a CPU sums it
-  transposed); one chunk (T) is the plain computation, with no sum to lay out."""
-  if table_sum == "vocab_first":
+  """"off_cpu": the chunks as off a CPU, the table gradient summed as [V, D] (a CPU sums
+  it transposed) and log_z in one pass; one chunk (T) is the plain computation, with no
+  sum to lay out."""
+  if table_sum == "off_cpu":
     monkeypatch.setattr(chunked_loss, "_scan_with_table_gradient",
-                        lambda *a: chunked_loss._scan_chunks(*a, transposed_sum=False))
+                        lambda *a: chunked_loss._scan_chunks(*a, on_cpu=False))
   hidden, table, targets, weights = _inputs()
   logits_bytes = 4 * B * V * chunk
   assert chunked_loss.chunk_length(B, T, V, logits_bytes) == chunk
@@ -75,6 +76,22 @@ def test_chunked_sums_and_gradients_match_float64(cap, chunk, table_sum, monkeyp
   for got, want, name in zip(grads, want_grads, ("hidden", "table", "weights")):
     chex.assert_shape(got, want.shape)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("scale", [0.01, 1.0, 30.0])
+def test_one_pass_logsumexp_matches_float64(scale):
+  """Rows of 50,000 logits at several scales (the larger ones far past exp's float32
+  range without a shift), a row with one dominant entry, and a constant row."""
+  rng = np.random.default_rng(3)
+  x = (rng.normal(size=(3, 4, 50_000)) * scale).astype(np.float32)
+  x[0, 0, 123] = 500.0 * scale
+  x[0, 1] = -7.0
+  got = jax.jit(chunked_loss.one_pass_logsumexp)(x)
+  x64 = x.astype(np.float64)
+  top = x64.max(-1, keepdims=True)
+  want = (np.log(np.exp(x64 - top).sum(-1, keepdims=True)) + top)[..., 0]
+  chex.assert_shape(got, (3, 4))
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=2e-5)
 
 
 def test_chunks_hold_at_least_2048_rows_and_even_out():
