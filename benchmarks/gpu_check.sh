@@ -1,21 +1,19 @@
 #!/usr/bin/env bash
 # Issue 21's GPU figures in one call, for a short lease of a GPU machine:
-#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 12 (and 16) x 2048; writes to $OUT
+#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 12 and 16 x 2048; writes to $OUT
 #   PRESET=gemma3-tiny ROWS=2 MORE_ROWS=3 SEQ=256 DTYPE=float32 \
 #     bash benchmarks/gpu_check.sh                                        # a dry run
 #
 # The step as `benchmarks/accelerator.py` times a user's loop (`scan_unroll` "auto": the
 # layer loop unrolled; `model.loss(params, tokens)`; cuDNN attention given the mask by its
-# structure alone), forward pass not timed, at ROWS x 2048 (default 12: 47.6% MFU on an
-# H100 with float32 weights, 326 ms):
-# 1. weights (and so AdamW's state) in bfloat16, the loss's log-normalisers in one pass;
-# 2. the same at 16 rows;
-# 3. 1 with two passes (the A/B of `chunked_loss.ONE_PASS_LOG_Z`);
-# 4. 1 with float32 weights;
-# 5. benchmarks/profile_step.py of 1: the step by kernel.
-# Decoding, benchmarks/attention_kernels.py (tokamax's kernels included) and the
-# 4 and 8 row steps are on record for the H100 and H200 and are not rerun.
-# On an H100 each unrolled gemma3-1b step compiles in ~30 s.
+# structure alone), weights and AdamW state in bfloat16, forward pass not timed:
+# 1. benchmarks/profile_step.py at ROWS x 2048 (default 12): the step by kernel, and the
+#    device's idle gaps between kernels (the last lease: step 327.5 ms, kernels 311.8);
+# 2. accelerator.py at MORE_ROWS (default 16; the last lease 424.3 ms, 48.7% MFU);
+# 3. accelerator.py at ROWS with float32 weights (the last lease 332.9 ms, 46.6%).
+# Decoding, benchmarks/attention_kernels.py (tokamax's kernels included), the 4 and 8
+# row steps and the one-pass log_z A/B are on record for the H100 and are not rerun.
+# A cold process needs ~140 s for a gemma3-1b step at 12 rows (compiles ~30-45 s each).
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
 # Packages the machine lacks travel as wheels in .wheels/ (git-ignored), fetched here
@@ -56,13 +54,9 @@ run() {  # seconds, name, command...: one log for all (the tool brings back 8 fi
 }
 step=(python3 accelerator.py "${model[@]}" --loss=chunked --kernels=jax --steps=5
       --decode_batch_sizes= --noforward)
-run 100 bf16 "${step[@]}" --batch_size="$rows" --param_dtype=bfloat16 \
-  --out="$out/accelerator_bf16.json"
-run 110 bf16_more_rows "${step[@]}" --batch_size="${MORE_ROWS:-16}" --param_dtype=bfloat16 \
-  --out="$out/accelerator_bf16_more_rows.json"
-run 100 bf16_two_pass "${step[@]}" --batch_size="$rows" --param_dtype=bfloat16 \
-  --noone_pass_log_z --out="$out/accelerator_bf16_two_pass.json"
-run 100 f32 "${step[@]}" --batch_size="$rows" --out="$out/accelerator_f32.json"
-run 150 profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
+run 200 profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
   --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \
   --out="$out/profile_step_bf16.json"
+run 170 bf16_more_rows "${step[@]}" --batch_size="${MORE_ROWS:-16}" --param_dtype=bfloat16 \
+  --out="$out/accelerator_bf16_more_rows.json"
+run 170 f32 "${step[@]}" --batch_size="$rows" --out="$out/accelerator_f32.json"

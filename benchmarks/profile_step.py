@@ -4,14 +4,16 @@ r"""Where a user loop's train step spends its device time, by kernel, with HLO o
     python benchmarks/profile_step.py --preset=gemma3-tiny --batch_size=2 --seq_len=256
 
 Times the step of `benchmarks/accelerator.py` (apply, or `--loss=chunked` model.loss, then
-optax AdamW under `jax.jit`, state donated), then traces two steps with `jax.profiler` and sums the device's events by
-kernel name: on a GPU the kernels of the device streams (XLA's fusions are named after
+optax AdamW under `jax.jit`, state donated), then traces two steps with `jax.profiler`
+and sums the device's events by kernel name: on a GPU the kernels of the device streams (XLA's fusions are named after
 their HLO instructions; cuBLAS and cuDNN kernels keep their library names), on a CPU
 XLA's thunks. Each kernel is joined with its HLO instruction's shape and `op_name`
 (which layer and operation it comes from). Events carry the CUDA-graph command buffer
 they ran in as `hlo_op`, so a sum by `hlo_op` only splits the step into those graphs:
-this script keys by kernel name instead. On a CPU thunks run concurrently, so their sum
-exceeds the step's time and each one's duration is inflated: read it as a ranking only.
+this script keys by kernel name instead. It also reports where the device sat idle
+between kernels (`idle_gaps`: the step's time less its kernels'). On a CPU thunks run
+concurrently, so their sum exceeds the step's time and each one's duration is inflated:
+read it as a ranking only.
 """
 
 import collections
@@ -84,6 +86,24 @@ def instruction_of(kernel: str, instructions: dict):
   return ("", "", "")
 
 
+def idle_gaps(events: list, top: int) -> dict:
+  """Where the device waited between its kernels, over the traced span: total idle
+  microseconds, those in gaps under 20 us (launch latency between back-to-back
+  kernels), the number of gaps, and the `top` longest as (us, kernel before, kernel
+  after): a host sync (a while loop's condition, a conditional's predicate, the step's
+  own dispatch) shows as a long gap."""
+  spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events)
+  gaps, end, last = [], spans[0][1], spans[0][2]
+  for start, stop, name in spans[1:]:
+    if start > end:
+      gaps.append((start - end, last, name))
+    if stop > end:
+      end, last = stop, name
+  return {"idle_us": sum(g[0] for g in gaps),
+          "idle_us_in_short_gaps": sum(g[0] for g in gaps if g[0] < 20),
+          "gaps": len(gaps), "longest": sorted(gaps, reverse=True)[:top]}
+
+
 # The step's parts, by the first of these words its op_name holds.
 PARTS = ("mlp", "attn", "embed", "norm", "cross_entropy", "softmax", "adam", "clip")
 
@@ -142,6 +162,7 @@ def main(argv):
     per_step[e["name"]] += e["dur"] / 1e3 / 2
     calls[e["name"]] += 1
   busy = sum(per_step.values())
+  idle = idle_gaps(events, top=12)
   library = sum(v for k, v in per_step.items() if any(w in k.lower() for w in LIBRARY_KERNELS))
   parts = collections.Counter()
   for name, ms in per_step.items():
@@ -160,6 +181,11 @@ def main(argv):
         k["op_name"][-90:]] for k in kernels])
   common.print_table("device time by part of the step (op_name)", ["part", "ms/step"],
                      [[p, ms] for p, ms in parts.most_common()])
+  common.print_table(
+      f"device idle over the 2 traced steps: {idle['idle_us'] / 1e3:.1f} ms in "
+      f"{idle['gaps']} gaps ({idle['idle_us_in_short_gaps'] / 1e3:.1f} ms in gaps under "
+      f"20 us); the longest", ["us", "after", "before"],
+      [[us, before[:60], after[:60]] for us, before, after in idle["longest"]])
   common.write_json(common.output_path(_OUT.value, "profile_step"),
                     {"preset": _PRESET.value, "dtype": _DTYPE.value,
                      "param_dtype": _PARAM_DTYPE.value, "batch_size": b,
@@ -167,7 +193,7 @@ def main(argv):
                      "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
                      "loss": _LOSS.value, "segment_ids": _SEGMENT_IDS.value,
                      "step_ms": step_ms, "device_busy_ms": busy,
-                     "library_kernel_ms": library, "parts": dict(parts),
+                     "library_kernel_ms": library, "parts": dict(parts), "idle": idle,
                      "kernels": kernels})
 
 
