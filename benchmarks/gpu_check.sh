@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Issue 21's GPU figures in one call, for a short lease of a GPU machine:
-#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 12 and 16 x 2048; writes to $OUT
-#   PRESET=gemma3-tiny ROWS=2 MORE_ROWS=3 SEQ=256 DTYPE=float32 \
+#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 12 x 2048; writes to $OUT
+#   PRESET=gemma3-tiny ROWS=2 SEQ=256 DTYPE=float32 XLA_VARIANTS=";--xla_cpu_use_xnnpack=false" \
 #     bash benchmarks/gpu_check.sh                                        # a dry run
 #
 # The step as `benchmarks/accelerator.py` times a user's loop (`scan_unroll` "auto": the
 # layer loop unrolled; `model.loss(params, tokens)`; cuDNN attention given the mask by its
-# structure alone), weights and AdamW state in bfloat16, forward pass not timed:
-# 1. benchmarks/profile_step.py at ROWS x 2048 (default 12): the step by kernel, and the
-#    device's idle gaps between kernels (the last lease: step 327.5 ms, kernels 311.8);
-# 2. accelerator.py at MORE_ROWS (default 16; the last lease 424.3 ms, 48.7% MFU);
-# 3. accelerator.py at ROWS with float32 weights (the last lease 332.9 ms, 46.6%).
-# Decoding, benchmarks/attention_kernels.py (tokamax's kernels included), the 4 and 8
-# row steps and the one-pass log_z A/B are on record for the H100 and are not rerun.
+# structure alone), weights and AdamW state in bfloat16, forward pass not timed, at
+# ROWS x 2048 (default 12; the last lease: 325.7 ms, 47.6% MFU; 16 rows 424.3 ms, 48.7%):
+# 1. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps between
+#    kernels (the last lease: step 327.5 ms, kernels 311.8);
+# 2. accelerator.py under each of XLA_VARIANTS (XLA_FLAGS, one process each; default:
+#    XLA's block-level (Triton) rewrite of fusions such as the norms' reduce-then-scale,
+#    ~26 ms of the step as two or three kernels each; CUDA graphs with concurrent
+#    regions, for the idle gaps).
+# Decoding, benchmarks/attention_kernels.py (tokamax's kernels included), the 4, 8 and
+# 16 row steps, float32 weights and the one-pass log_z A/B are on record for the H100.
 # A cold process needs ~140 s for a gemma3-1b step at 12 rows (compiles ~30-45 s each).
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
@@ -53,10 +56,14 @@ run() {  # seconds, name, command...: one log for all (the tool brings back 8 fi
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee -a "$out/gpu_check.log"
 }
 step=(python3 accelerator.py "${model[@]}" --loss=chunked --kernels=jax --steps=5
-      --decode_batch_sizes= --noforward)
+      --decode_batch_sizes= --noforward --batch_size="$rows" --param_dtype=bfloat16)
 run 200 profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
   --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \
   --out="$out/profile_step_bf16.json"
-run 170 bf16_more_rows "${step[@]}" --batch_size="${MORE_ROWS:-16}" --param_dtype=bfloat16 \
-  --out="$out/accelerator_bf16_more_rows.json"
-run 170 f32 "${step[@]}" --batch_size="$rows" --out="$out/accelerator_f32.json"
+IFS=';' read -ra variants <<< "${XLA_VARIANTS:-\
+--xla_gpu_experimental_enable_fusion_block_level_rewriter=true;\
+--xla_gpu_graph_enable_concurrent_region=true}"
+for i in "${!variants[@]}"; do
+  XLA_FLAGS="${variants[$i]}" run 170 "XLA_FLAGS=${variants[$i]}" "${step[@]}" \
+    --out="$out/accelerator_bf16_variant$i.json"
+done
