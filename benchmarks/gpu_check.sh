@@ -2,6 +2,7 @@
 # Issue 21's GPU figures in one call, for a short lease of a GPU machine:
 #   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 12 x 2048; writes to $OUT
 #   PRESET=gemma3-tiny ROWS=2 SEQ=256 DTYPE=float32 XLA_VARIANTS=";--xla_cpu_use_xnnpack=false" \
+#     DECODE_VARIANTS=";--xla_cpu_use_xnnpack=false" \
 #     bash benchmarks/gpu_check.sh                                        # a dry run
 #
 # The step as `benchmarks/accelerator.py` times a user's loop (`scan_unroll` "auto": the
@@ -10,12 +11,17 @@
 # ROWS x 2048 (default 12; the last lease: 325.7 ms, 47.6% MFU; 16 rows 424.3 ms, 48.7%):
 # 1. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps between
 #    kernels (the last lease: step 327.5 ms, kernels 311.8);
-# 2. accelerator.py under each of XLA_VARIANTS (XLA_FLAGS, one process each; default:
-#    XLA's block-level (Triton) rewrite of fusions such as the norms' reduce-then-scale,
-#    ~26 ms of the step as two or three kernels each; CUDA graphs with concurrent
-#    regions, for the idle gaps).
-# Decoding, benchmarks/attention_kernels.py (tokamax's kernels included), the 4, 8 and
-# 16 row steps, float32 weights and the one-pass log_z A/B are on record for the H100.
+# 2. greedy decoding at batch 1 and 64 (the last H100 reading: 456 / 28,100 tokens/s,
+#    batch 1 launch-bound: 726 kernels a token), as is and with XLA's command buffers
+#    (CUDA graphs) taking the decode loop's while and conditionals too (DECODE_VARIANTS);
+# 3. accelerator.py's step under each of XLA_VARIANTS (XLA_FLAGS, one process each;
+#    default: XLA's block-level (Triton) rewrite of fusions such as the norms'
+#    reduce-then-scale, ~26 ms of the step as two or three kernels each; CUDA graphs
+#    with concurrent regions, for the idle gaps).
+# benchmarks/attention_kernels.py (tokamax's kernels included), the 4, 8 and 16 row
+# steps, float32 weights and the one-pass log_z A/B are on record for the H100. The runs
+# take ~560 s with the lease's ~90 s start: call with timeout_s 590 (the last variant may
+# be cut; each run's lines are in gpu_check.log as it goes).
 # A cold process needs ~140 s for a gemma3-1b step at 12 rows (compiles ~30-45 s each).
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
@@ -60,6 +66,13 @@ step=(python3 accelerator.py "${model[@]}" --loss=chunked --kernels=jax --steps=
 run 200 profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
   --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \
   --out="$out/profile_step_bf16.json"
+IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-;\
+--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}"
+for i in "${!decode_variants[@]}"; do
+  XLA_FLAGS="${decode_variants[$i]}" run 90 "decode XLA_FLAGS=${decode_variants[$i]}" \
+    python3 accelerator.py "${model[@]}" --kernels= --decode_batch_sizes=1,64 \
+    --out="$out/decode_variant$i.json"
+done
 IFS=';' read -ra variants <<< "${XLA_VARIANTS:-\
 --xla_gpu_experimental_enable_fusion_block_level_rewriter=true;\
 --xla_gpu_graph_enable_concurrent_region=true}"
