@@ -13,7 +13,8 @@ backward pass is d hidden [B, T, D] and d table [V, D] float32 (the table gradie
 size) instead of the logits. A z-loss with a nonzero cotangent forms the logits once
 more in the backward pass. Chunks are as small as `MIN_LOGITS_BYTES` allows unless the
 table's gradient is summed (`chunk_length`): evaluation and a frozen table (LoRA) pay
-no memory for a floor that only the sum's traffic needs.
+no memory for a floor that only the sum's traffic needs. Off a CPU a training chunk's
+log-normalisers take one read of its logits (`one_pass_logsumexp`), not two.
 """
 
 import functools
