@@ -116,16 +116,16 @@ def test_sharded_losses_equal_single_device(single_device, name):
 
 @pytest.mark.parametrize("name,table_sum", [("data2_fsdp2_tensor2", "platform"),
                                             ("fsdp4_tensor2", "platform"),
-                                            ("fsdp4_tensor2", "vocab_first")])
+                                            ("fsdp4_tensor2", "off_cpu")])
 def test_chunked_loss_on_a_mesh_equals_single_device(single_device, name, table_sum,
                                                      monkeypatch):
   """The loss over 4 chunks of 4 positions, batch and vocabulary sharded, against the
-  single device's whole logits; "vocab_first": the table gradient summed as [V, D], as
-  off a CPU."""
+  single device's whole logits; "off_cpu": the chunks as off a CPU (the table gradient
+  summed as [V, D], the log-normalisers in one reduction over the sharded vocabulary)."""
   monkeypatch.setattr(chunked_loss, "LOGITS_BYTES", 4 * 8 * 260 * 4)
-  if table_sum == "vocab_first":
+  if table_sum == "off_cpu":
     monkeypatch.setattr(chunked_loss, "_scan_with_table_gradient",
-                        lambda *a: chunked_loss._scan_chunks(*a, transposed_sum=False))
+                        lambda *a: chunked_loss._scan_chunks(*a, on_cpu=False))
   assert chunked_loss.chunk_length(8, 16, 260) == 4
   mesh = sharding.make_mesh(config_with(MESHES[name]).mesh)
   losses, state = run_steps(config_with(MESHES[name]), mesh)
