@@ -14,7 +14,8 @@ def get_config():
   config.data.seq_len = 1024
   config.train.steps = 20_000
   config.train.batch_size = 64
-  config.optimizer.grad_accum_steps = 8   # [8, 1024, 262144] float32 logits per micro-batch
+  config.optimizer.grad_accum_steps = 8   # micro-batches of 8 x 1024 tokens (model.loss
+                                          # holds 2 GiB of logits at a time, not the batch's)
   config.train.log_every = 100
   config.train.eval_every = 1000
   config.train.eval_batches = 16

@@ -22,7 +22,7 @@ def get_config():
   config.lora.dropout = 0.05
   config.train.steps = 1000
   config.train.batch_size = 16
-  config.optimizer.grad_accum_steps = 4   # [4, 1024, 262144] float32 logits per micro-batch
+  config.optimizer.grad_accum_steps = 4   # micro-batches of 4 x 1024 tokens
   config.train.log_every = 20
   config.train.eval_every = 200
   config.train.eval_batches = 4
