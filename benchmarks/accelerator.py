@@ -20,9 +20,16 @@ Decoding: greedy, cached (`sampler.generate`, one jitted while loop), weights ca
 `--dtype` as a server holds them, `--prompt_len` prompt tokens then `--new_tokens`, at
 each of `--decode_batch_sizes`; tokens/s counts the new tokens of all rows.
 
+XLA's options: `--xla_variants` compiles the step once per set of XLA options
+(`Lowered.compile`'s `compiler_options`, the flags XLA_FLAGS would set) in the one
+process, after XLA's defaults, and times each in turn on the same state; with
+`--combine_faster`, the union of the sets that beat the defaults is timed too. One
+process for all: one init and one lowering, where a process per flag pays them each time
+(a gemma3-1b step at 12 x 2048 needs ~140 s from a cold start on an H100).
+
 Memory: XLA's planned temporaries of the compiled step, and the device's peak bytes in
-use once its steps ran (the process's peak so far: it includes the kernels before it;
-none on a CPU).
+use once its steps ran (the process's peak so far: it includes the kernels and variants
+before it; none on a CPU).
 
 MFU = tokens/s x model FLOPs per token (`gemma_jax.training.flops`: 6 per matmul
 parameter, attention over the keys each query may see) / the device's peak: the datasheet's
@@ -31,6 +38,7 @@ second column, an 8192 x 8192 matmul timed here.
 """
 
 import itertools
+import shlex
 import time
 
 from absl import app
@@ -69,6 +77,12 @@ _ONE_PASS = flags.DEFINE_bool("one_pass_log_z", True, "With --loss=chunked: "
                                "`chunked_loss.ONE_PASS_LOG_Z` (off: two reductions).")
 _FORWARD = flags.DEFINE_bool("forward", True, "Also time the forward pass (its own "
                              "compile; the logits compared across kernels).")
+_VARIANTS = flags.DEFINE_string(
+    "xla_variants", "", "';'-separated sets of XLA options, each timed for the step after "
+    "XLA's defaults, e.g. 'xla_gpu_enable_pdl=true; xla_gpu_enable_triton_gemm=false'; a set "
+    "is name=value pairs separated by spaces, as in XLA_FLAGS ('--' optional).")
+_COMBINE = flags.DEFINE_bool("combine_faster", True, "With --xla_variants: also time the "
+                             "union of the sets whose step beat the defaults' by over 0.5%.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Timed train steps (after one warm-up).")
 _DECODE = flags.DEFINE_list("decode_batch_sizes", ["1", "64"], "Decoded prompts per call.")
 _PROMPT = flags.DEFINE_integer("prompt_len", 128, "Prompt tokens.")
@@ -106,13 +120,83 @@ def timed(fn, runs: int) -> float:
   return float(np.median(times))
 
 
-def train_and_forward(kernel: str, segments: str, tokens: jax.Array) -> dict:
-  """The user loop's step and the forward pass of one kernel, with segment_ids or not."""
+def xla_options(text: str) -> dict:
+  """'name=value name=value' (XLA_FLAGS' syntax) -> {name: bool, int, float or str}."""
+  def value(v):
+    if v in ("true", "false"):
+      return v == "true"
+    for kind in (int, float):
+      try:
+        return kind(v)
+      except ValueError:
+        pass
+    return v
+  pairs = [item.lstrip("-").partition("=") for item in shlex.split(text)]
+  return {name: value(v) for name, _, v in pairs}
+
+
+def options_label(options: dict) -> str:
+  return " ".join(f"{k}={v}" for k, v in options.items()) or "XLA defaults"
+
+
+def timed_step(step, state: list, tokens, options: dict) -> dict:
+  """Compile the step with XLA `options`, run it on `state` ([params, opt_state], which
+  it updates) and time it."""
+  start = time.perf_counter()
+  compiled = step.lower(state[0], state[1], tokens).compile(options or None)
+  compile_s = time.perf_counter() - start
+  losses = []
+
+  def run_step():
+    state[0], state[1], value = compiled(state[0], state[1], tokens)
+    losses.append(float(value))
+
+  step_s = timed(run_step, _STEPS.value)
+  stats = jax.devices()[0].memory_stats() or {}      # None on a CPU
+  return {"xla_options": options_label(options), "first_loss": losses[0],
+          "compile_s": compile_s, "train_step_s": step_s,
+          "planned_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30,
+          "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2 ** 30}
+
+
+def timed_variants(step, state: list, tokens, reinit) -> list:
+  """`timed_step` under XLA's defaults, then each of `--xla_variants` (and, with
+  `--combine_faster`, the union of those faster than the defaults by over 0.5%). A set
+  that fails is reported with its error, the state made anew by `reinit()` where its
+  buffers were donated to a step that failed."""
+  variants = [{}] + [xla_options(v) for v in _VARIANTS.value.split(";") if v.strip()]
+  results = []
+
+  def run(options):
+    try:
+      results.append(timed_step(step, state, tokens, options))
+    except Exception as e:  # pylint: disable=broad-except
+      results.append({"xla_options": options_label(options),
+                      "error": f"{type(e).__name__}: {str(e)[:2000]}"})
+      if any(x.is_deleted() for x in jax.tree.leaves(state)):
+        state[:] = reinit()
+    print(f"  {results[-1]}", flush=True)
+
+  for options in variants:
+    run(options)
+  if _COMBINE.value and len(variants) > 2:
+    base = results[0].get("train_step_s", float("inf"))
+    faster = [o for o, r in zip(variants[1:], results[1:])
+              if r.get("train_step_s", base) < 0.995 * base]
+    if len(faster) > 1:
+      run({k: v for o in faster for k, v in o.items()})
+  return results
+
+
+def train_and_forward(kernel: str, segments: str, tokens: jax.Array) -> list:
+  """The user loop's step (per set of XLA options) and the forward pass of one kernel,
+  with segment_ids or not: a result per set."""
   config = model_config(kernel)
   model = gj.transform(config)
   with_ids = {"none": False, "ones": True}[segments]
-  step, params, opt_state = common.user_train_step(config, tokens, loss=_LOSS.value,
-                                                   segment_ids=with_ids)
+  make = lambda: common.user_train_step(config, tokens, loss=_LOSS.value,
+                                        segment_ids=with_ids)
+  step, params, opt_state = make()
 
   @jax.jit
   def forward(params, tokens):
@@ -122,27 +206,13 @@ def train_and_forward(kernel: str, segments: str, tokens: jax.Array) -> dict:
   logits = (np.asarray(forward(params, tokens)[0, :64].astype(jnp.float32))
             if _FORWARD.value else None)
   forward_first_s = time.perf_counter() - start     # its compile, mostly
-  start = time.perf_counter()
-  compiled = step.lower(params, opt_state, tokens).compile()
-  compile_s = time.perf_counter() - start
-  first_loss = None
   state = [params, opt_state]
-
-  def run_step():
-    nonlocal first_loss
-    state[0], state[1], value = compiled(state[0], state[1], tokens)
-    value = float(value)
-    first_loss = value if first_loss is None else first_loss
-
-  step_s = timed(run_step, _STEPS.value)
-  stats = jax.devices()[0].memory_stats() or {}      # None on a CPU
+  results = timed_variants(step, state, tokens, reinit=lambda: list(make()[1:]))
   params = state[0]
   forward_s = (timed(lambda: jax.block_until_ready(forward(params, tokens)), _STEPS.value)
                if _FORWARD.value else float("nan"))
-  return {"kernel": kernel, "segment_ids": segments, "first_loss": first_loss, "logits": logits,
-          "compile_s": compile_s, "forward_first_call_s": forward_first_s, "train_step_s": step_s, "forward_s": forward_s,
-          "planned_temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2 ** 30,
-          "peak_gib": stats.get("peak_bytes_in_use", float("nan")) / 2 ** 30}
+  return [dict(r, kernel=kernel, segment_ids=segments, logits=logits,
+               forward_first_call_s=forward_first_s, forward_s=forward_s) for r in results]
 
 
 def decode(batch_size: int, params) -> dict:
@@ -192,7 +262,7 @@ def main(argv):
 
   for kernel, segments in itertools.product(_KERNELS.value, _SEGMENTS.value):
     try:
-      r = train_and_forward(kernel, segments, tokens)
+      kernel_results = train_and_forward(kernel, segments, tokens)
     except Exception as e:  # pylint: disable=broad-except
       print(f"{kernel}, segment_ids {segments}: failed: {type(e).__name__}: {str(e)[:2000]}",
             flush=True)
@@ -200,20 +270,24 @@ def main(argv):
                       "error": f"{type(e).__name__}: {str(e)[:2000]}"})
       save()
       continue
-    logits = r.pop("logits")
-    reference = logits if reference is None else reference
-    r["max_logit_difference_vs_first"] = (float(np.abs(logits - reference).max())
-                                           if _FORWARD.value else float("nan"))
-    r["train_tokens_per_s"] = b * t / r["train_step_s"]
-    r["train_mfu"] = r["train_tokens_per_s"] * flops_per_token / peak
-    r["train_mfu_of_matmul"] = r["train_tokens_per_s"] * flops_per_token / measured_peak
-    r["forward_tokens_per_s"] = b * t / r["forward_s"]
-    results.append(r)
-    rows.append([kernel, segments, r["train_step_s"] * 1e3, r["train_tokens_per_s"],
-                 f"{r['train_mfu']:.1%}", f"{r['train_mfu_of_matmul']:.1%}",
-                 r["forward_tokens_per_s"], r["compile_s"], r["first_loss"],
-                 r["max_logit_difference_vs_first"], r["planned_temp_gib"], r["peak_gib"]])
-    print(rows[-1], flush=True)
+    for r in kernel_results:
+      logits = r.pop("logits")
+      results.append(r)
+      if "error" in r:
+        continue
+      reference = logits if reference is None else reference
+      r["max_logit_difference_vs_first"] = (float(np.abs(logits - reference).max())
+                                             if _FORWARD.value else float("nan"))
+      r["train_tokens_per_s"] = b * t / r["train_step_s"]
+      r["train_mfu"] = r["train_tokens_per_s"] * flops_per_token / peak
+      r["train_mfu_of_matmul"] = r["train_tokens_per_s"] * flops_per_token / measured_peak
+      r["forward_tokens_per_s"] = b * t / r["forward_s"]
+      rows.append([kernel, segments, r["xla_options"], r["train_step_s"] * 1e3,
+                   r["train_tokens_per_s"], f"{r['train_mfu']:.1%}",
+                   f"{r['train_mfu_of_matmul']:.1%}", r["forward_tokens_per_s"],
+                   r["compile_s"], r["first_loss"], r["max_logit_difference_vs_first"],
+                   r["planned_temp_gib"], r["peak_gib"]])
+      print(rows[-1], flush=True)
     save()
 
   config = model_config("einsum")
@@ -227,7 +301,7 @@ def main(argv):
   common.print_table(
       f"{device}, {_PRESET.value} in {_DTYPE.value}, train and forward {b} x {t} tokens "
       f"(user loop: {LOSS_NAMES[_LOSS.value]}, optax AdamW, jax.jit), remat {_REMAT.value}",
-      ["attention kernel", "segment_ids", "step ms", "train tok/s", "MFU (datasheet)", "MFU (matmul)",
+      ["attention kernel", "segment_ids", "XLA options", "step ms", "train tok/s", "MFU (datasheet)", "MFU (matmul)",
        "forward tok/s", "compile s", "first loss", "max logit diff", "planned temp GiB",
        "device peak GiB"], rows)
   common.print_table(

@@ -1,28 +1,32 @@
 #!/usr/bin/env bash
 # Issue 21's GPU figures in one call, for a short lease of a GPU machine:
-#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 12 x 2048; writes to $OUT
-#   PRESET=gemma3-tiny ROWS=2 SEQ=256 DTYPE=float32 XLA_VARIANTS=";--xla_cpu_use_xnnpack=false" \
-#     DECODE_VARIANTS=";--xla_cpu_use_xnnpack=false" \
+#   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 16 x 2048; writes to $OUT
+#   PRESET=gemma3-tiny ROWS=2 SEQ=256 DTYPE=float32 \
+#     XLA_VARIANTS="xla_cpu_use_xnnpack=false;xla_backend_optimization_level=2" \
+#     DECODE_VARIANTS="--xla_cpu_use_xnnpack=false" \
 #     bash benchmarks/gpu_check.sh                                        # a dry run
 #
 # The step as `benchmarks/accelerator.py` times a user's loop (`scan_unroll` "auto": the
 # layer loop unrolled; `model.loss(params, tokens)`; cuDNN attention given the mask by its
 # structure alone), weights and AdamW state in bfloat16, forward pass not timed, at
-# ROWS x 2048 (default 12; the last lease: 325.7 ms, 47.6% MFU; 16 rows 424.3 ms, 48.7%):
-# 1. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps between
-#    kernels (the last lease: step 327.5 ms, kernels 311.8);
-# 2. greedy decoding at batch 1 and 64 (the last H100 reading: 456 / 28,100 tokens/s,
-#    batch 1 launch-bound: 726 kernels a token), as is and with XLA's command buffers
-#    (CUDA graphs) taking the decode loop's while and conditionals too (DECODE_VARIANTS);
-# 3. accelerator.py's step under each of XLA_VARIANTS (XLA_FLAGS, one process each;
-#    default: XLA's block-level (Triton) rewrite of fusions such as the norms'
-#    reduce-then-scale, ~26 ms of the step as two or three kernels each; CUDA graphs
-#    with concurrent regions, for the idle gaps).
-# benchmarks/attention_kernels.py (tokamax's kernels included), the 4, 8 and 16 row
-# steps, float32 weights and the one-pass log_z A/B are on record for the H100. The runs
-# take ~560 s with the lease's ~90 s start: call with timeout_s 590 (the last variant may
-# be cut; each run's lines are in gpu_check.log as it goes).
-# A cold process needs ~140 s for a gemma3-1b step at 12 rows (compiles ~30-45 s each).
+# ROWS x 2048 (default 16; the last lease: 424.3 ms, 48.7% MFU; 12 rows 325.7 ms, 47.6%):
+# 1. the step under XLA's defaults and under each of XLA_VARIANTS, one process
+#    (`--xla_variants`: one init and lowering, a compile per set), then the union of the
+#    sets that beat the defaults: programmatic dependent launch (each kernel's launch
+#    overlapping its predecessor's tail: the ~15 ms a step the device idles between
+#    ~3500 kernels), command buffers (CUDA graphs) taking while loops and conditionals,
+#    XLA's block-level (Triton) rewrite of fusions such as the norms' reduce-then-scale
+#    (~26 ms of the step as two or three kernels each), concurrent graph regions,
+#    cuBLAS in place of Triton's GEMM fusions (~42 ms of the step), Triton's warp
+#    specialisation;
+# 2. greedy decoding at batch 1 and 64 with command buffers taking the decode loop's
+#    while and conditionals (DECODE_VARIANTS; as is on record: 456 / 28,100 tokens/s,
+#    batch 1 launch-bound, 726 kernels a token);
+# 3. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps.
+# attention_kernels.py (tokamax's kernels included), the 4, 8, 12 and 16 row steps,
+# float32 weights and the one-pass log_z A/B are on record for the H100. Call with
+# timeout_s 600: the lease's start is ~90 s of its 900, and what runs late may be cut
+# (each run's lines are in gpu_check.log as it goes).
 # Each runs under its own timeout, so one that hangs leaves the others' results.
 #
 # Packages the machine lacks travel as wheels in .wheels/ (git-ignored), fetched here
@@ -51,7 +55,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 export JAX_COMPILATION_CACHE_DIR=/tmp/gpu_check_xla_cache
 # The card's memory for the 16 rows (XLA's allocator takes 75% of it by default).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
-rows=${ROWS:-12}
+rows=${ROWS:-16}
 model=(--preset="${PRESET:-gemma3-1b}" --seq_len="${SEQ:-2048}" --dtype="${DTYPE:-bfloat16}"
        --scan_unroll=auto)
 cd benchmarks
@@ -61,22 +65,22 @@ run() {  # seconds, name, command...: one log for all (the tool brings back 8 fi
   echo "$(date +%T) $name (limit $limit s)" | tee -a "$out/gpu_check.log"
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee -a "$out/gpu_check.log"
 }
-step=(python3 accelerator.py "${model[@]}" --loss=chunked --kernels=jax --steps=5
-      --decode_batch_sizes= --noforward --batch_size="$rows" --param_dtype=bfloat16)
-run 200 profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
-  --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \
-  --out="$out/profile_step_bf16.json"
-IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-;\
+run "${STEP_LIMIT:-450}" step_variants python3 accelerator.py "${model[@]}" --loss=chunked \
+  --kernels=jax --steps=5 --decode_batch_sizes= --noforward --batch_size="$rows" \
+  --param_dtype=bfloat16 --out="$out/accelerator_bf16_variants.json" \
+  --xla_variants="${XLA_VARIANTS:-xla_gpu_enable_pdl=true;\
+xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;\
+xla_gpu_experimental_enable_fusion_block_level_rewriter=true;\
+xla_gpu_graph_enable_concurrent_region=true;\
+xla_gpu_enable_triton_gemm=false;\
+xla_gpu_experimental_enable_triton_warp_specialization=true}"
+IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-\
 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}"
 for i in "${!decode_variants[@]}"; do
   XLA_FLAGS="${decode_variants[$i]}" run 90 "decode XLA_FLAGS=${decode_variants[$i]}" \
     python3 accelerator.py "${model[@]}" --kernels= --decode_batch_sizes=1,64 \
     --out="$out/decode_variant$i.json"
 done
-IFS=';' read -ra variants <<< "${XLA_VARIANTS:-\
---xla_gpu_experimental_enable_fusion_block_level_rewriter=true;\
---xla_gpu_graph_enable_concurrent_region=true}"
-for i in "${!variants[@]}"; do
-  XLA_FLAGS="${variants[$i]}" run 170 "XLA_FLAGS=${variants[$i]}" "${step[@]}" \
-    --out="$out/accelerator_bf16_variant$i.json"
-done
+run 200 profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
+  --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \
+  --out="$out/profile_step_bf16.json"
