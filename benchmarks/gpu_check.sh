@@ -9,20 +9,16 @@
 # The step as `benchmarks/accelerator.py` times a user's loop (`scan_unroll` "auto": the
 # layer loop unrolled; `model.loss(params, tokens)`; cuDNN attention given the mask by its
 # structure alone), weights and AdamW state in bfloat16, forward pass not timed, at
-# ROWS x 2048 (default 16; the last lease: 424.3 ms, 48.7% MFU; 12 rows 325.7 ms, 47.6%):
-# 1. the step under XLA's defaults and under each of XLA_VARIANTS, one process
-#    (`--xla_variants`: one init and lowering, a compile per set), then the union of the
-#    sets that beat the defaults: programmatic dependent launch (each kernel's launch
-#    overlapping its predecessor's tail: the ~15 ms a step the device idles between
-#    ~3500 kernels), command buffers (CUDA graphs) taking while loops and conditionals,
-#    XLA's block-level (Triton) rewrite of fusions such as the norms' reduce-then-scale
-#    (~26 ms of the step as two or three kernels each), concurrent graph regions,
-#    cuBLAS in place of Triton's GEMM fusions (~42 ms of the step), Triton's warp
-#    specialisation;
+# ROWS x 2048 (default 16; the fifth lease: 418.3 ms, 49.4% MFU with the loss fetched
+# every step; 425.2 ms, 48.6%, fetched every 10 steps on a slower card):
+# 1. the step, timed both ways, under XLA's defaults and each set of XLA_VARIANTS (one
+#    process: `--xla_variants`, a compile per set; six GPU flags are on record, none
+#    faster: docs/architecture.md, "A fifth H100 lease");
 # 2. greedy decoding at batch 1 and 64 with command buffers taking the decode loop's
 #    while and conditionals (DECODE_VARIANTS; as is on record: 456 / 28,100 tokens/s,
-#    batch 1 launch-bound, 726 kernels a token);
-# 3. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps.
+#    batch 1 launch-bound, 726 kernels a token; the fifth lease's 90 s were too few);
+# 3. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
+#    fifth lease: 1.8 ms a step between kernels).
 # attention_kernels.py (tokamax's kernels included), the 4, 8, 12 and 16 row steps,
 # float32 weights and the one-pass log_z A/B are on record for the H100. Call with
 # timeout_s 600: the lease's start is ~90 s of its 900, and what runs late may be cut
@@ -65,19 +61,14 @@ run() {  # seconds, name, command...: one log for all (the tool brings back 8 fi
   echo "$(date +%T) $name (limit $limit s)" | tee -a "$out/gpu_check.log"
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee -a "$out/gpu_check.log"
 }
-run "${STEP_LIMIT:-450}" step_variants python3 accelerator.py "${model[@]}" --loss=chunked \
-  --kernels=jax --steps=5 --decode_batch_sizes= --noforward --batch_size="$rows" \
-  --param_dtype=bfloat16 --out="$out/accelerator_bf16_variants.json" \
-  --xla_variants="${XLA_VARIANTS:-xla_gpu_enable_pdl=true;\
-xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL;\
-xla_gpu_experimental_enable_fusion_block_level_rewriter=true;\
-xla_gpu_graph_enable_concurrent_region=true;\
-xla_gpu_enable_triton_gemm=false;\
-xla_gpu_experimental_enable_triton_warp_specialization=true}"
+run "${STEP_LIMIT:-240}" step python3 accelerator.py "${model[@]}" --loss=chunked \
+  --kernels=jax --decode_batch_sizes= --noforward --batch_size="$rows" \
+  --param_dtype=bfloat16 --out="$out/accelerator_bf16.json" \
+  --steps=10 --xla_variants="${XLA_VARIANTS:-}"
 IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-\
 --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}"
 for i in "${!decode_variants[@]}"; do
-  XLA_FLAGS="${decode_variants[$i]}" run 90 "decode XLA_FLAGS=${decode_variants[$i]}" \
+  XLA_FLAGS="${decode_variants[$i]}" run 150 "decode XLA_FLAGS=${decode_variants[$i]}" \
     python3 accelerator.py "${model[@]}" --kernels= --decode_batch_sizes=1,64 \
     --out="$out/decode_variant$i.json"
 done
