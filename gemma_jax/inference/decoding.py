@@ -40,6 +40,7 @@ from ml_collections import config_dict
 from gemma_jax import config as config_lib
 from gemma_jax import modules
 from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
+from gemma_jax.inference import decode_jit
 from gemma_jax.layers import moe
 from gemma_jax.layers.attention import Decode, Extend, Prefill, attention_mask
 from gemma_jax.models import towers, vision
@@ -156,7 +157,7 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
                          jnp.ones_like(tokens[:, None]), masks)
     return logits[:, 0], Cache(layers, positions, position + 1)
 
-  @functools.partial(jax.jit, static_argnames=("cache_length", "cache_dtype"))
+  @functools.partial(decode_jit.jit, static_argnames=("cache_length", "cache_dtype"))
   def _prefill(params, tokens, lengths, images, cache_length, cache_dtype):
     # All but each row's last token fill the caches (their logits are never computed);
     # the last one is a decode step, whose logits are the prefill's. Image spans are
@@ -207,7 +208,7 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     return _prefill(params, tokens, jnp.asarray(lengths, jnp.int32), images, cache_length,
                     dtype)
 
-  _step = jax.jit(step, donate_argnames="cache")
+  _step = decode_jit.jit(step, donate_argnames="cache")
 
   def decode_step(params: dict, tokens: jax.Array, cache: Cache):
     """One token per row, tokens [B] int, at each row's next position: (logits [B, V]
@@ -256,7 +257,7 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       cache = chunk(params, body[:, whole:], cache)
     return step(params, tokens[:, -1], cache)
 
-  _extend = jax.jit(_extend_in_chunks, donate_argnames="cache")
+  _extend = decode_jit.jit(_extend_in_chunks, donate_argnames="cache")
 
   def extend(params: dict, tokens: jax.Array, cache: Cache):
     """Continues every row's cached context with C more tokens, tokens [B, C] int: (logits

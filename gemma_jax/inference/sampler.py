@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
+from gemma_jax.inference import decode_jit
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.models import towers
 from gemma_jax.quant import kv_cache
@@ -62,7 +63,7 @@ def choose(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int 
   return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=(
+@functools.partial(decode_jit.jit, static_argnames=(
     "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "pad_id", "cache_length",
     "cache_dtype"))
 def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, lengths: jax.Array,
