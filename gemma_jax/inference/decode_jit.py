@@ -22,18 +22,24 @@ CPU_OPTIONS = {"xla_disable_hlo_passes": "tree_reduction_rewriter"}
 def jit(fn, **jit_kwargs):
   """`jax.jit(fn, **jit_kwargs)`, compiled with `CPU_OPTIONS` where JAX's default backend
   is the CPU: called, and lowered with `.lower`, as a jitted function is. Traced inside
-  another transformation (its arguments tracers) it is a plain nested `jax.jit`: the
-  outer program's compilation decides."""
+  another jit (which alone may carry compiler options) it is a plain nested `jax.jit`:
+  the outer program's compilation decides."""
   with_options = jax.jit(fn, compiler_options=CPU_OPTIONS, **jit_kwargs)
   plain = jax.jit(fn, **jit_kwargs)
 
-  def pick(args, kwargs):
-    traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
-    return with_options if jax.default_backend() == "cpu" and not traced else plain
+  def call(method, args, kwargs):
+    if jax.default_backend() != "cpu":
+      return method(plain)(*args, **kwargs)
+    try:
+      return method(with_options)(*args, **kwargs)
+    except ValueError as e:   # raised while tracing, before anything ran
+      if "compiler_options" not in str(e):
+        raise
+      return method(plain)(*args, **kwargs)
 
   @functools.wraps(fn)
   def jitted(*args, **kwargs):
-    return pick(args, kwargs)(*args, **kwargs)
+    return call(lambda f: f, args, kwargs)
 
-  jitted.lower = lambda *args, **kwargs: pick(args, kwargs).lower(*args, **kwargs)
+  jitted.lower = lambda *args, **kwargs: call(lambda f: f.lower, args, kwargs)
   return jitted
