@@ -2,6 +2,8 @@ r"""Where a user loop's train step spends its device time, by kernel, with HLO o
 
     python benchmarks/profile_step.py --preset=gemma3-1b --dtype=bfloat16   # on a GPU
     python benchmarks/profile_step.py --preset=gemma3-tiny --batch_size=2 --seq_len=256
+    python benchmarks/profile_step.py --preset=gemma3-long --batch_size=1 --seq_len=8192 \
+      --dtype=float32 --forward                                             # apply alone
 
 Times the step of `benchmarks/accelerator.py` (apply, or `--loss=chunked` model.loss, then
 optax AdamW under `jax.jit`, state donated), then traces two steps with `jax.profiler`
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import common
+import gemma_jax as gj
 
 _PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name, or a shape of "
                                "common.SHAPES (e.g. gemma4-moe-16x4).")
@@ -45,6 +48,8 @@ _LOSS = flags.DEFINE_enum("loss", "logits", ["logits", "chunked", "chunked_shift
                           "The step's loss (`common.user_train_step`).")
 _SEGMENT_IDS = flags.DEFINE_bool("segment_ids", False, "Pass one document's segment_ids "
                                  "(as packed rows do) instead of none.")
+_FORWARD = flags.DEFINE_bool("forward", False, "Profile the forward pass (`apply`'s "
+                             "logits under `jax.jit`) instead of the train step.")
 _TOP = flags.DEFINE_integer("top", 60, "Kernels listed.")
 _HLO = flags.DEFINE_string("hlo_out", None, "Also write the compiled step's HLO text here "
                            "(gzipped), to attribute kernels offline.")
@@ -130,7 +135,12 @@ def main(argv):
                        jnp.int32)
   step, params, opt_state = common.user_train_step(config, tokens, loss=_LOSS.value,
                                                    segment_ids=_SEGMENT_IDS.value)
-  compiled = step.lower(params, opt_state, tokens).compile()
+  if _FORWARD.value:
+    ids = jnp.ones_like(tokens) if _SEGMENT_IDS.value else None
+    forward = jax.jit(lambda p, x: gj.transform(config).apply(p, x, segment_ids=ids))
+    compiled = forward.lower(params, tokens).compile()
+  else:
+    compiled = step.lower(params, opt_state, tokens).compile()
   text = compiled.as_text()
   if _HLO.value:
     with gzip.open(_HLO.value, "wt") as f:
@@ -138,6 +148,8 @@ def main(argv):
   state = [params, opt_state]
 
   def run():
+    if _FORWARD.value:
+      return compiled(state[0], tokens).block_until_ready()
     state[0], state[1], value = compiled(state[0], state[1], tokens)
     return float(value)
 
@@ -192,6 +204,7 @@ def main(argv):
                      "seq_len": t, "attention_kernel": _KERNEL.value,
                      "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
                      "loss": _LOSS.value, "segment_ids": _SEGMENT_IDS.value,
+                     "program": "forward" if _FORWARD.value else "train step",
                      "step_ms": step_ms, "device_busy_ms": busy,
                      "library_kernel_ms": library, "parts": dict(parts), "idle": idle,
                      "kernels": kernels})
