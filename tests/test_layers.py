@@ -1,6 +1,8 @@
 """Shared layers against float64 numpy re-computations, jitted and not."""
 
 import functools
+import math
+import re
 from unittest import mock
 
 import chex
@@ -123,6 +125,39 @@ class RopeTest(chex.TestCase, parameterized.TestCase):
     chex.assert_shape(y, x.shape)
     np.testing.assert_allclose(y, np_rope(x, np.asarray(positions), base, scale, fraction),
                                rtol=1e-4, atol=1e-4)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_one_token_matches_float64(self):
+    x = jax.random.normal(jax.random.key(0), (3, 1, 4, 16))
+    positions = jnp.array([[0], [7], [1000]])
+    y = self.variant(lambda x, p: apply_rope(x, p, base=10_000.0))(x, positions)
+    np.testing.assert_allclose(y, np_rope(x, np.asarray(positions), 10_000.0),
+                               rtol=1e-4, atol=1e-4)
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_gradient_is_the_inverse_rotation(self):
+    """RoPE is an orthogonal map R(p) of x, so d/dx sum(w * R(p) x) = R(p)^T w = R(-p) w."""
+    x = jax.random.normal(jax.random.key(0), (2, 9, 3, 16))
+    w = jax.random.normal(jax.random.key(1), x.shape)
+    positions = jnp.array([np.arange(9), np.arange(9) * 7 + 3])
+    grad = self.variant(jax.grad(
+        lambda x: jnp.sum(w * apply_rope(x, positions, base=100.0, fraction=0.5))))(x)
+    np.testing.assert_allclose(grad, np_rope(w, -np.asarray(positions), 100.0, fraction=0.5),
+                               rtol=1e-4, atol=1e-4)
+
+  def test_cpu_computes_each_sine_once_not_per_head(self):
+    """XLA's CPU backend would fuse the sines and cosines into the rotation and compute
+    them again for each of the N heads; no kernel that computes them may be per head."""
+    b, t, n, h = 2, 16, 8, 64
+    text = jax.jit(lambda x, p: apply_rope(x, p, base=10_000.0)).lower(
+        jnp.zeros((b, t, n, h)), jnp.zeros((b, t), jnp.int32)).compile().as_text()
+    computations = text.split("\n\n")
+    with_sines = [c for c in computations if "cosine(" in c or " sine(" in c]
+    self.assertNotEmpty(with_sines)
+    for computation in with_sines:
+      root = re.search(r"ROOT %\S+ = \w+\[([\d,]*)\]", computation).group(1)
+      self.assertLessEqual(math.prod(int(d) for d in root.split(",")), b * t * h,
+                           computation[:300])
 
   def test_relative_positions_only(self):
     """q.k after RoPE depends on the position difference alone."""
