@@ -149,8 +149,10 @@ class RopeTest(chex.TestCase, parameterized.TestCase):
     """XLA's CPU backend would fuse the sines and cosines into the rotation and compute
     them again for each of the N heads; no kernel that computes them may be per head."""
     b, t, n, h = 2, 16, 8, 64
+    cpu = jax.devices("cpu")[0]   # the CPU's program, whatever the default backend
     text = jax.jit(lambda x, p: apply_rope(x, p, base=10_000.0)).lower(
-        jnp.zeros((b, t, n, h)), jnp.zeros((b, t), jnp.int32)).compile().as_text()
+        jax.device_put(jnp.zeros((b, t, n, h)), cpu),
+        jax.device_put(jnp.zeros((b, t), jnp.int32), cpu)).compile().as_text()
     computations = text.split("\n\n")
     with_sines = [c for c in computations if "cosine(" in c or " sine(" in c]
     self.assertNotEmpty(with_sines)
