@@ -117,15 +117,11 @@ def local_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Loca
   c, block, span = blocks.mask.shape[1:]
   window = span - block
   queries = jnp.pad(q, [(0, 0), (0, c * block - t), (0, 0), (0, 0)])
-  queries = queries.reshape(b * c, block, n, h)
-  k, v = _key_spans(k, block, window), _key_spans(v, block, window)
   mask = blocks.mask.reshape(b * c, block, span)
-  if kernel == "einsum":
-    q_heads, k_heads, v_heads = _heads_first(queries, k, v)
-    out = _heads_last(grouped_attention(q_heads, (k_heads,), (v_heads,),
-                                        (_as_bias(mask[:, None, None]),), logit_softcap))
-  else:
-    out = dot_product_attention(queries, k, v, mask, logit_softcap, kernel)
+  out = dot_product_attention(queries.reshape(b * c, block, n, h),
+                              _key_spans(k, block, window), _key_spans(v, block, window),
+                              _as_bias(mask) if kernel == "einsum" else mask, logit_softcap,
+                              kernel)
   return out.reshape(b, c * block, n, h)[:, :t]
 
 
@@ -207,8 +203,9 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           mask: Optional[jax.Array], logit_softcap: Optional[float] = None,
                           kernel: str = "einsum", *, causal: bool = False,
                           window: Optional[int] = None) -> jax.Array:
-  """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] or None ->
-  [B, T, N, H]. `causal` (S = T), and a `window` as in `attention_mask`, give the mask's
+  """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] bool (or, for
+  the einsum kernel, a float32 bias, `_as_bias`) or None -> [B, T, N, H]. `causal` (S =
+  T), and a `window` as in `attention_mask`, give the mask's
   structure; with no mask that structure is the whole mask, and with neither every
   query sees every key.
 
