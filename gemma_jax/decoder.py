@@ -116,8 +116,7 @@ def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
   kernel (`fused`, default `fused_attention(config)`), `attention.CausalMask`, with no
   array when rows are not `packed` (one document each: the structure is the whole
   mask); else a local layer's is `attention.LocalBlocks` once T > 2 x window, and any
-  other's `attention.CausalBlocks` once T holds two causal blocks (with no array for a
-  layer without a window over rows not `packed`)."""
+  other's `attention.CausalBlocks` once T holds two causal blocks."""
   t = segment_ids.shape[1]
   index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
   fused = fused_attention(config) if fused is None else fused
@@ -137,7 +136,7 @@ def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
     if blocked and spans is None and fused:
       masks[kind] = CausalMask(masks[kind], window)
     elif blocked and spans is None and t >= 2 * causal_block_size(t):
-      masks[kind] = CausalBlocks(None if window is None and not packed else masks[kind])
+      masks[kind] = CausalBlocks(masks[kind])
   return masks
 
 

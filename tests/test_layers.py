@@ -216,31 +216,28 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters((4, 4, None, None), (4, 2, None, None), (4, 1, 5.0, None),
                             (4, 2, None, "local"), (2, 1, 3.0, "local"),
-                            (4, 2, None, "causal"), (2, 1, 3.0, "causal"),
-                            (4, 2, None, "causal structure"), (2, 1, 3.0, "causal structure"))
+                            (4, 2, None, "causal"), (2, 1, 3.0, "causal"))
   def test_gradients_match_torch_float64(self, n, kv, cap, blocks):
     """The written-out backward pass (`grouped_attention`) against PyTorch's autograd in
     float64 of the dense masked attention: dense, in window blocks (padded tail), and in
-    causal blocks (a short last block), with the packed rows' mask or rows of one
-    document given as the structure alone (each block's past keys unmasked)."""
+    causal blocks (a short last block)."""
     import torch   # pylint: disable=import-outside-toplevel
-    t, window = (13, 4) if not blocks or blocks == "local" else (520, None)
+    t, window = (13, 4) if blocks != "causal" else (520, None)
     keys = jax.random.split(jax.random.key(n + kv), 4)
     q = jax.random.normal(keys[0], (2, t, n, 8))
     k, v = (jax.random.normal(key, (2, t, kv, 8)) for key in keys[1:3])
     weights = jax.random.normal(keys[3], (2, t, n, 8))
     segments = np.ones((2, t), np.int32)
-    if blocks != "causal structure":
-      segments[0, 5:] = 2
+    segments[0, 5:] = 2
     index = np.broadcast_to(np.arange(t), (2, t))
     mask = np_mask(t, segments, window=window)
     dense = attention_lib.attention_mask(index, index, segments, segments, window=window)
     if blocks == "local":
       attend = lambda q, k, v: attention_lib.local_block_attention(
           q, k, v, attention_lib.local_blocks(jnp.asarray(segments), window), cap)
-    elif blocks:
-      given = attention_lib.CausalBlocks(dense if blocks == "causal" else None)
-      attend = lambda q, k, v: attention_lib.causal_block_attention(q, k, v, given, cap)
+    elif blocks == "causal":
+      attend = lambda q, k, v: attention_lib.causal_block_attention(
+          q, k, v, attention_lib.CausalBlocks(dense), cap)
     else:
       attend = lambda q, k, v: attention_lib.dot_product_attention(q, k, v, dense, cap)
     grads = self.variant(jax.grad(lambda *a: jnp.sum(attend(*a) * weights), argnums=(0, 1, 2)))(
@@ -346,24 +343,21 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
     chex.assert_trees_all_equal_shapes(grads, (q, k, v))
 
   @chex.variants(with_jit=True, without_jit=True)
-  @parameterized.parameters((512, None, True), (600, 3.0, True), (777, None, True),
-                            (512, None, False), (777, 3.0, False))
-  def test_causal_blocks_match_float64_mask(self, t, cap, packed):
+  @parameterized.parameters((512, None), (600, 3.0), (777, None))
+  def test_causal_blocks_match_float64_mask(self, t, cap):
     """Causal blocks (each block of queries over its key prefix) equal the dense causal
-    mask, with T a multiple of the block or not: given packed segments and padding as
-    a mask array, or (rows of one document) the causal structure alone."""
+    mask, with T a multiple of the block or not, packed segments and padding."""
     size = attention_lib.causal_block_size(t)
     self.assertLess(size, t)
     keys = jax.random.split(jax.random.key(t), 3)
     q = jax.random.normal(keys[0], (2, t, 4, 8))
     k, v = (jax.random.normal(key, (2, t, 2, 8)) for key in keys[1:])
     segments = np.ones((2, t), np.int32)
-    if packed:
-      segments[0, size + 7:] = 2                  # a document starting inside a block
-      segments[1, t - 3:] = 0                     # padding is a segment of its own
+    segments[0, size + 7:] = 2                    # a document starting inside a block
+    segments[1, t - 3:] = 0                       # padding is a segment of its own
     index = np.broadcast_to(np.arange(t), (2, t))
     blocks = attention_lib.CausalBlocks(
-        attention_lib.attention_mask(index, index, segments, segments) if packed else None)
+        attention_lib.attention_mask(index, index, segments, segments))
     out = self.variant(lambda *a: attention_lib.causal_block_attention(*a, cap))(
         q, k, v, blocks)
     chex.assert_shape(out, (2, t, 4, 8))

@@ -370,25 +370,6 @@ def test_long_rows_run_causal_layers_in_causal_blocks():
   assert_blocked_logits_match_dense(config, tokens(t=520), segments)
 
 
-def test_rows_of_one_document_give_causal_blocks_the_structure_alone():
-  """Without segment ids (rows of one document) a layer with no window takes
-  `CausalBlocks` with no mask array (its blocks see their past keys unmasked), a
-  windowed one keeps its array; the logits agree with the dense masks."""
-  config = tiny(num_layers=2, attention_pattern=("local", "global"), sliding_window=300)
-  ones = jnp.ones((2, 520), jnp.int32)
-  masks = decoder.layer_masks(config.model, ones, blocked=True, packed=False)
-  assert masks["global"].mask is None
-  chex.assert_shape(masks["local"].mask, (2, 520, 520))
-  toks = tokens(t=520)
-  params = gj.transform(config).init(jax.random.key(0), toks)
-  module = decoder.Decoder(config.model)
-  positions = jnp.broadcast_to(jnp.arange(520), toks.shape)
-  blocked = module.apply({"params": params}, toks, positions, None)
-  dense = module.apply({"params": params}, toks, positions, None,
-                       masks=decoder.layer_masks(config.model, ones))
-  np.testing.assert_allclose(blocked, dense, rtol=1e-5, atol=1e-5)
-
-
 def _shapes(jaxpr):
   """The shapes of every value a jaxpr computes, nested jaxprs included."""
   for eqn in jaxpr.eqns:

@@ -29,7 +29,6 @@ import flax.linen as nn
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
-import numpy as np
 
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.norms import RMSNorm
@@ -108,21 +107,15 @@ def local_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Loca
                           logit_softcap: Optional[float] = None,
                           kernel: str = "einsum") -> jax.Array:
   """`dot_product_attention` under a `LocalBlocks` mask: q [B, T, N, H], k, v [B, T, K,
-  H] -> [B, T, N, H], computing only the T x (W + Q) logits a window can reach.
-
-  The einsum kernel adds the mask to the logits as a bias made once at [B, C, Q, W + Q],
-  which XLA fuses into the logits' matmul, where a select is a pass of its own over
-  all N heads' logits."""
-  b, t, n, h = q.shape
+  H] -> [B, T, N, H], computing only the T x (W + Q) logits a window can reach."""
+  b, t = q.shape[:2]
   c, block, span = blocks.mask.shape[1:]
   window = span - block
   queries = jnp.pad(q, [(0, 0), (0, c * block - t), (0, 0), (0, 0)])
-  mask = blocks.mask.reshape(b * c, block, span)
-  out = dot_product_attention(queries.reshape(b * c, block, n, h),
+  out = dot_product_attention(queries.reshape(b * c, block, *q.shape[2:]),
                               _key_spans(k, block, window), _key_spans(v, block, window),
-                              _as_bias(mask) if kernel == "einsum" else mask, logit_softcap,
-                              kernel)
-  return out.reshape(b, c * block, n, h)[:, :t]
+                              blocks.mask.reshape(b * c, block, span), logit_softcap, kernel)
+  return out.reshape(b, c * block, *q.shape[2:])[:, :t]
 
 
 @struct.dataclass
@@ -138,10 +131,8 @@ class CausalMask:
 
 class CausalBlocks(NamedTuple):
   """A causal mask [B, T, T] (no query sees a later key) whose queries go in blocks of
-  `causal_block_size(T)`, each attending only to the keys up to its own last query.
-  None for rows of one document each and no window: causality is then the whole mask,
-  and each block sees all the keys before it unmasked."""
-  mask: Optional[jax.Array]
+  `causal_block_size(T)`, each attending only to the keys up to its own last query."""
+  mask: jax.Array
 
 
 def causal_block_size(t: int) -> int:
@@ -156,42 +147,15 @@ def causal_block_attention(q: jax.Array, k: jax.Array, v: jax.Array, blocks: Cau
   """`dot_product_attention` under a `CausalBlocks` mask: q [B, T, N, H], k, v [B, T, K,
   H] -> [B, T, N, H]. Each block's softmax runs over its own key prefix: the keys after
   it are masked anyway, so the result is the dense one (1 x 8192 tokens, one layer on a
-  CPU: forward 1.22 -> 0.61 s, forward and backward 3.01 -> 1.64 s).
-
-  The einsum kernel takes a block's keys in two chunks (`grouped_attention`): those
-  before the block, unmasked when `blocks.mask` is None, and the block's own under
-  the causal triangle as a bias (one layer at 1 x 8192: forward 821 -> 689-702 ms)."""
-  b, t = q.shape[:2]
+  CPU: forward 1.22 -> 0.61 s, forward and backward 3.01 -> 1.64 s)."""
+  t = q.shape[1]
   size = causal_block_size(t)
-
-  def mask(start, stop, key_start, key_stop):   # [B, Tb, Sc] bool, or None: all visible
-    if blocks.mask is not None:
-      return blocks.mask[:, start:stop, key_start:key_stop]
-    if key_stop <= start:
-      return None
-    causal = np.arange(key_start, key_stop)[None, :] <= np.arange(start, stop)[:, None]
-    return jnp.broadcast_to(causal, (b, stop - start, key_stop - key_start))
-
-  if kernel != "einsum":
-    return jnp.concatenate([
-        dot_product_attention(q[:, start:start + size], k[:, :start + size],
-                              v[:, :start + size], mask(start, min(start + size, t), 0,
-                                                        min(start + size, t)),
-                              logit_softcap, kernel)
-        for start in range(0, t, size)], axis=1)
-  q_heads, k_heads, v_heads = _heads_first(q, k, v)
-  outs = []
-  for start in range(0, t, size):
-    stop = min(start + size, t)
-    chunks, masks = [(start, stop)], [_as_bias(mask(start, stop, start, stop)[:, None, None])]
-    if start:
-      past = mask(start, stop, 0, start)
-      chunks.insert(0, (0, start))
-      masks.insert(0, None if past is None else past[:, None, None])
-    outs.append(grouped_attention(
-        q_heads[:, :, :, start:stop], tuple(k_heads[:, :, a:z] for a, z in chunks),
-        tuple(v_heads[:, :, a:z] for a, z in chunks), tuple(masks), logit_softcap))
-  return _heads_last(jnp.concatenate(outs, axis=3))
+  return jnp.concatenate([
+      dot_product_attention(q[:, start:start + size], k[:, :start + size],
+                            v[:, :start + size], blocks.mask[:, start:start + size,
+                                                             :start + size],
+                            logit_softcap, kernel)
+      for start in range(0, t, size)], axis=1)
 
 
 def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
@@ -203,9 +167,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           mask: Optional[jax.Array], logit_softcap: Optional[float] = None,
                           kernel: str = "einsum", *, causal: bool = False,
                           window: Optional[int] = None) -> jax.Array:
-  """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] bool (or, for
-  the einsum kernel, a float32 bias, `_as_bias`) or None -> [B, T, N, H]. `causal` (S =
-  T), and a `window` as in `attention_mask`, give the mask's
+  """q: [B, T, N, H] (already scaled), k, v: [B, S, K, H], mask: [B, T, S] or None ->
+  [B, T, N, H]. `causal` (S = T), and a `window` as in `attention_mask`, give the mask's
   structure; with no mask that structure is the whole mask, and with neither every
   query sees every key.
 
@@ -226,40 +189,21 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         q, k, v, mask=None if mask is None else mask[:, None], scale=1.0, is_causal=causal,
         local_window_size=None if window is None else (window - 1, 0),
         implementation="cudnn" if cudnn else None)
-  b, t = q.shape[:2]
+  b, t, n, h = q.shape
+  kv_heads = k.shape[2]
   if causal and mask is None:      # a `CausalMask` with its structure alone
     index = jnp.broadcast_to(jnp.arange(t), (b, t))
     mask = attention_mask(index, index, jnp.ones_like(index), jnp.ones_like(index),
                           window=window)
-  q_heads, k_heads, v_heads = _heads_first(q, k, v)
-  out = grouped_attention(q_heads, (k_heads,), (v_heads,),
-                          (None if mask is None else mask[:, None, None],), logit_softcap)
-  return _heads_last(out)
-
-
-def _heads_first(q, k, v):
-  """q [B, T, N, H], k, v [B, S, K, H] -> q [B, K, G, T, H], k, v [B, K, S, H].
-
-  Heads lead (small copies of queries, keys and values), so that every matmul of the
-  forward and backward pass reads the [B, K, G, T, S] logits in the order they are
-  stored: contracted as [B, T, K, G, H], XLA transposed the logits and probabilities
-  instead (1 x 8192 tokens, one layer: forward 3.9 s that way, 1.2 s this way)."""
-  b, t, n, h = q.shape
-  kv_heads = k.shape[2]
+  # Heads lead (small copies of queries, keys and values), so that every matmul of the
+  # forward and backward pass reads the [B, K, G, T, S] logits in the order they are
+  # stored: contracted as [B, T, K, G, H], XLA transposed the logits and probabilities
+  # instead (1 x 8192 tokens, one layer: forward 3.9 s that way, 1.2 s this way).
   q = q.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
-  return q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-
-
-def _heads_last(out: jax.Array) -> jax.Array:
-  """[B, K, G, T, H] -> [B, T, N = K x G, H]."""
-  b, kv_heads, g, t, h = out.shape
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kv_heads * g, h)
-
-
-def _as_bias(mask: jax.Array) -> jax.Array:
-  """A bool mask as a float32 bias: 0 where visible, the most negative float elsewhere.
-  Added to the logits, XLA fuses it into the logits' matmul."""
-  return jnp.where(mask, 0.0, jnp.finfo(jnp.float32).min)
+  k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+  out = grouped_attention(q, k, v, None if mask is None else mask[:, None, None],
+                          logit_softcap)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def _attention_at_even_length(q, k, v, mask, window):
@@ -275,74 +219,43 @@ def _attention_at_even_length(q, k, v, mask, window):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def grouped_attention(q: jax.Array, keys: Tuple[jax.Array, ...], values: Tuple[jax.Array, ...],
-                      masks: Tuple[Optional[jax.Array], ...],
+def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[jax.Array],
                       logit_softcap: Optional[float]) -> jax.Array:
-  """softmax(q k^T) v per key/value head over keys in chunks: q [B, K, G, T, H]; keys,
-  values: per chunk c [B, K, S_c, H]; masks: per chunk, None (every key visible), a
-  bool mask or a float32 bias (`_as_bias`) broadcasting to [B, K, G, T, S_c] -> [B, K,
-  G, T, H].
+  """softmax(q k^T) v per key/value head: q [B, K, G, T, H], k, v [B, K, S, H], mask
+  broadcasting to [B, K, G, T, S] or None -> [B, K, G, T, H].
 
-  Each chunk's exponentials are taken against its own maximum and the chunks merged by
-  rescaling (as flash attention merges its tiles), so a chunk that every query sees
-  whole needs no mask, and the normalisation divides the [T, H] outputs, not the
-  [T, S] probabilities.
-
-  The gradient is written out so that the two that contract over the T x S logits'
+  Its gradient is written out so that the two that contract over the T x S logits'
   leading dims (dk, dv) take the small [H, G x T] operand transposed, never the
   logits: automatic differentiation gave XLA's CPU backend a transposed copy of the
   [B, K, G, T, S] cotangent to make.
   """
-  return _attention_forward(q, keys, values, masks, logit_softcap)[0]
+  return _attention_forward(q, k, v, mask, logit_softcap)[0]
 
 
-def _logits(q, k, mask, logit_softcap):
-  """[B, K, G, T, S_c] float32 logits of one chunk, capped and masked."""
+def _attention_forward(q, k, v, mask, logit_softcap):
   logits = softcap(jnp.einsum("bkgth,bksh->bkgts", q, k, preferred_element_type=jnp.float32),
                    logit_softcap)
-  if mask is None:
-    return logits
-  if mask.dtype == jnp.bool_:
-    return jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  return logits + mask
-
-
-def _attention_forward(q, keys, values, masks, logit_softcap):
-  maxima, exps, sums, outs = [], [], [], []
-  for k, v, mask in zip(keys, values, masks):
-    logits = _logits(q, k, mask, logit_softcap)
-    maxima.append(jnp.max(logits, axis=-1, keepdims=True))
-    exps.append(jnp.exp(logits - maxima[-1]))                  # [B, K, G, T, S_c]
-    sums.append(jnp.sum(exps[-1], axis=-1, keepdims=True))
-    outs.append(jnp.einsum("bkgts,bksh->bkgth", exps[-1].astype(v.dtype), v,
-                           preferred_element_type=jnp.float32))
-  top = functools.reduce(jnp.maximum, maxima)
-  rescale = [jnp.exp(m - top) for m in maxima]
-  total = sum(r * s for r, s in zip(rescale, sums))
-  # probabilities = exps x weights: the weight of each chunk's row [B, K, G, T, 1].
-  weights = tuple(r / total for r in rescale)
-  out = sum(w * o for w, o in zip(weights, outs)).astype(q.dtype)
-  return out, (q, keys, values, masks, tuple(exps), weights, out)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v.dtype), v)
+  return out, (q, k, v, mask, probs, out)
 
 
 def _attention_backward(logit_softcap, residuals, d_out):
-  q, keys, values, masks, exps, weights, out = residuals
+  q, k, v, mask, probs, out = residuals
+  d_probs = jnp.einsum("bkgth,bksh->bkgts", d_out, v, preferred_element_type=jnp.float32)
+  d_v = jnp.einsum("bkgth,bkgts->bkhs", d_out, probs.astype(v.dtype)).swapaxes(2, 3)
   row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-  d_q, d_keys, d_values = 0, [], []
-  for k, v, e, w in zip(keys, values, exps, weights):
-    d_probs = jnp.einsum("bkgth,bksh->bkgts", d_out, v, preferred_element_type=jnp.float32)
-    d_values.append(jnp.einsum("bkgth,bkgts->bkhs", (d_out * w).astype(v.dtype),
-                               e.astype(v.dtype)).swapaxes(2, 3))
-    d_logits = e * (w * (d_probs - row))     # softmax backward; zero where masked
-    if logit_softcap is not None:
-      capped = softcap(jnp.einsum("bkgth,bksh->bkgts", q, k,
-                                  preferred_element_type=jnp.float32), logit_softcap)
-      d_logits = d_logits * (1 - jnp.square(capped / logit_softcap))
-    d_logits = d_logits.astype(q.dtype)
-    d_q = d_q + jnp.einsum("bkgts,bksh->bkgth", d_logits, k, preferred_element_type=jnp.float32)
-    d_keys.append(jnp.einsum("bkgth,bkgts->bkhs", q, d_logits).swapaxes(2, 3).astype(k.dtype))
-  return (d_q.astype(q.dtype), tuple(d_keys), tuple(d_values),
-          tuple(None for _ in masks))
+  d_logits = probs * (d_probs - row)      # softmax backward; zero where masked
+  if logit_softcap is not None:
+    capped = softcap(jnp.einsum("bkgth,bksh->bkgts", q, k,
+                                preferred_element_type=jnp.float32), logit_softcap)
+    d_logits = d_logits * (1 - jnp.square(capped / logit_softcap))
+  d_logits = d_logits.astype(q.dtype)
+  d_q = jnp.einsum("bkgts,bksh->bkgth", d_logits, k)
+  d_k = jnp.einsum("bkgth,bkgts->bkhs", q, d_logits).swapaxes(2, 3)
+  return d_q, d_k, d_v.astype(v.dtype), None
 
 
 grouped_attention.defvjp(_attention_forward, _attention_backward)
