@@ -71,8 +71,8 @@ def _adapt(lora: config_dict.FrozenConfigDict, deterministic: bool, matched: set
     keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - lora.dropout, x.shape)
     x = jnp.where(keep, x / (1.0 - lora.dropout), 0.0).astype(x.dtype)
   rows = x.shape[:x.ndim - k]
-  # x^T dh, A's gradient, runs 2-3x faster on a CPU with x transposed first (`matmul`);
-  # B's, h^T d, has the small side transposed already.
+  # A's gradient x^T dh goes through `matmul`, which on a CPU transposes the narrow dh
+  # [rows, r], not x; B's, h^T d, has the small side transposed already.
   h = matmul(x.reshape(math.prod(rows), math.prod(in_shape)).astype(module.dtype),
              a.reshape(-1, r).astype(module.dtype))                      # [rows, r]
   delta = jnp.matmul(h, b.reshape(r, -1).astype(module.dtype)) * (lora.alpha / r)

@@ -14,17 +14,18 @@ from gemma_jax.layers import matmul as mm
 R, I, O = 24, 16, 40
 
 
-def _inputs(dtype=np.float32):
+def _inputs(dtype=np.float32, i=I, o=O):
   rng = np.random.default_rng(0)
-  x, w, cotangent = (rng.normal(size=s) for s in ((R, I), (I, O), (R, O)))
+  x, w, cotangent = (rng.normal(size=s) for s in ((R, i), (i, o), (R, o)))
   return x.astype(dtype), w.astype(dtype), cotangent
 
 
-class MatmulTest(chex.TestCase):
+class MatmulTest(chex.TestCase, parameterized.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
-  def test_matmul_and_gradients_match_float64(self):
-    x, w, c = _inputs()
+  @parameterized.named_parameters(("wider_output", I, O), ("narrower_output", O, 4))
+  def test_matmul_and_gradients_match_float64(self, i, o):
+    x, w, c = _inputs(i=i, o=o)
     value, grads = self.variant(jax.value_and_grad(
         lambda x, w: jnp.sum(jnp.asarray(c, jnp.float32) * mm.matmul(x, w)), argnums=(0, 1)))(
             x, w)
@@ -74,6 +75,23 @@ def test_weight_gradients_take_the_rows_transposed_on_cpu():
   # ... and neither function leaves one.
   assert _left_rows_contracted(grad(mm.matmul), x, w) == 0
   assert _left_rows_contracted(grad(mm.matmul_transposed), x, w.T) == 0
+
+
+def _transposed_shapes(fn, *args) -> list:
+  """[rows, cols] of every transpose in fn's program as lowered for the CPU, before XLA."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cpu",)).as_text()
+  return [tuple(int(d) for d in m.split("x")) for m in
+          re.findall(r"stablehlo.transpose.*-> tensor<(\d+x\d+)xf32>", text)]
+
+
+def test_weight_gradients_transpose_the_narrower_operand():
+  """A weight gradient over rows x [R, I], dy [R, O] makes whichever of x^T and dy^T is
+  smaller: for a LoRA adapter's A (O = r) that is dy^T, never a copy of the input."""
+  for i, o, made, not_made in ((I, O, (I, R), (O, R)), (64, 4, (4, R), (64, R))):
+    x, w, c = (jnp.asarray(a, jnp.float32) for a in _inputs(i=i, o=o))
+    grad = jax.grad(lambda x, w, c=c: jnp.sum(c * mm.matmul(x, w)), argnums=1)
+    shapes = _transposed_shapes(grad, x, w)
+    assert made in shapes and not_made not in shapes, shapes
 
 
 def test_only_the_cpu_gets_the_barred_transposes():

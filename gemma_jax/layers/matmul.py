@@ -4,8 +4,11 @@ XLA's CPU backend runs a matmul on YNNPACK only when its left operand is contrac
 its last dim. A weight gradient, x^T dy over rows [R, I] and [R, O], contracts both over
 their first dim; XLA folds any transpose of x into the matmul and runs it through Eigen
 instead, at ~70-85% of the speed (2048 x 512 x 2048: 35.5 ms, against 26.6 ms with x^T
-made first, the transpose itself 0.4 ms). `matmul`'s gradient therefore makes x^T as an
-array of its own (`transposed`); other backends keep the transpose foldable.
+made first, the transpose itself 0.4 ms). `weight_gradient` therefore makes the narrower
+of the two transposed, as an array of its own (`transposed`); other backends keep the
+transpose foldable. The narrower: a LoRA adapter's A [I, r] has dy [R, r], and x^T
+there was a copy of the whole input, which XLA fused with the input's own producer (the
+MLP's activation, recomputed in transposed order: 94 ms a layer at 2048 x 2048).
 
 A product of one row by a weight (decoding at batch 1) runs on one core there, bound by
 that core's share of memory bandwidth (a [1, 4096] x [4096, 8192] float32 product: 20.5
@@ -58,7 +61,7 @@ def vector_product(x: jax.Array, w: jax.Array, *, transpose: bool = False) -> ja
 @jax.custom_vjp
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   """x [R, I] @ w [I, O] -> [R, O], as `jnp.matmul` (one row: `vector_product`); its
-  gradient takes x `transposed`."""
+  weight's gradient is a `weight_gradient`."""
   return vector_product(x, w)
 
 
@@ -66,10 +69,20 @@ def _matmul_fwd(x, w):
   return vector_product(x, w), (x, w)
 
 
+def weight_gradient(a: jax.Array, b: jax.Array) -> jax.Array:
+  """a^T b [M, N] of rows a [R, M], b [R, N]. On a CPU the narrower operand is made
+  `transposed`: a^T b for M <= N, else (b^T a)^T, that product barred from the final
+  transpose (XLA would turn the pair back into a^T b)."""
+  def cpu(a, b):
+    if a.shape[1] <= b.shape[1]:
+      return jnp.matmul(transposed(a), b)
+    return jax.lax.optimization_barrier(jnp.matmul(transposed(b), a)).T
+  return jax.lax.platform_dependent(a, b, cpu=cpu, default=lambda a, b: jnp.matmul(a.T, b))
+
+
 def _matmul_bwd(residuals, dy):
   x, w = residuals
-  return (jnp.matmul(dy, w.T).astype(x.dtype),
-          jnp.matmul(transposed(x), dy).astype(w.dtype))
+  return (jnp.matmul(dy, w.T).astype(x.dtype), weight_gradient(x, dy).astype(w.dtype))
 
 
 matmul.defvjp(_matmul_fwd, _matmul_bwd)
@@ -77,9 +90,8 @@ matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 @jax.custom_vjp
 def matmul_transposed(x: jax.Array, table: jax.Array) -> jax.Array:
-  """x [R, D] @ table [V, D]^T -> [R, V] (tied logits); its table gradient d^T x is made
-  as (x^T d)^T with x `transposed`, the product kept apart from the final transpose
-  (XLA would otherwise turn the pair back into d^T x)."""
+  """x [R, D] @ table [V, D]^T -> [R, V] (tied logits); its table gradient d^T x is a
+  `weight_gradient`."""
   return vector_product(x, table, transpose=True)
 
 
@@ -89,10 +101,8 @@ def _matmul_transposed_fwd(x, table):
 
 def _matmul_transposed_bwd(residuals, dy):
   x, table = residuals
-  d_table = jax.lax.platform_dependent(
-      x, dy, cpu=lambda x, dy: jax.lax.optimization_barrier(jnp.matmul(transposed(x), dy)).T,
-      default=lambda x, dy: jnp.matmul(dy.T, x))
-  return jnp.matmul(dy, table).astype(x.dtype), d_table.astype(table.dtype)
+  return (jnp.matmul(dy, table).astype(x.dtype),
+          weight_gradient(dy, x).astype(table.dtype))
 
 
 matmul_transposed.defvjp(_matmul_transposed_fwd, _matmul_transposed_bwd)
