@@ -272,8 +272,9 @@ def lora_config() -> config_dict.ConfigDict:
   c.rank = 0                              # r, adapter rank; 0: no adapters (full fine-tuning)
   c.alpha = 16.0                          # the adapters' output is scaled by alpha / rank
   c.dropout = 0.0                         # dropout on the adapters' input while training
-  # Regexes on parameter paths ("blocks/layer_0/attn/q/kernel"): the kernels given adapters.
-  c.targets = (r"attn/(q|k|v|out)/kernel$", r"mlp/(gate|up|down)/kernel$")
+  # Regexes on parameter paths ("blocks/layer_0/attn/q/kernel"): the kernels given adapters;
+  # the MLP's, or a mixture of experts' dense (shared) MLP's ("moe/shared/gate/kernel").
+  c.targets = (r"attn/(q|k|v|out)/kernel$", r"(mlp|moe/shared)/(gate|up|down)/kernel$")
   return c
 
 

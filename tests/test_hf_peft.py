@@ -46,12 +46,14 @@ def peft_logits(model, tokens):
   return torch_reference.torch_logits(model, tokens)
 
 
-@pytest.mark.parametrize("preset, model", [("gemma3-tiny", GEMMA3), ("gemma4-tiny", GEMMA4)],
-                         ids=["gemma3", "gemma4"])
+@pytest.mark.parametrize("preset, model", [("gemma3-tiny", GEMMA3), ("gemma4-tiny", GEMMA4),
+                                           ("gemma4-moe-tiny", GEMMA4)],
+                         ids=["gemma3", "gemma4", "gemma4-moe"])
 def test_saved_adapters_run_in_peft_as_ours(tmp_path, preset, model):
-  """A random gemma_jax model (norm scales too) with random nonzero adapters: hf.save +
-  hf_peft.save, read by AutoModelForCausalLM + PeftModel in float32, give our logits;
-  peft's own save_pretrained of them writes our tensor names and values."""
+  """A random gemma_jax model (norm scales too) with random nonzero adapters on the
+  default targets (of a mixture of experts: its dense MLP): hf.save + hf_peft.save, read
+  by AutoModelForCausalLM + PeftModel in float32, give our logits; peft's own
+  save_pretrained of them writes our tensor names and values."""
   config = our_config(preset, model)
   params = gj.transform(config).init(jax.random.key(0), np.zeros((1, 1), np.int32))
   base, adapters = lora.split(params)
@@ -68,6 +70,7 @@ def test_saved_adapters_run_in_peft_as_ours(tmp_path, preset, model):
   else:   # the global layer 3 takes keys as values: no v_proj there, so exact names
     assert re.fullmatch(saved["target_modules"], "model.layers.0.self_attn.v_proj")
     assert not re.fullmatch(saved["target_modules"], "model.layers.3.self_attn.v_proj")
+    assert re.fullmatch(saved["target_modules"], "model.layers.3.mlp.down_proj")
   assert (saved["peft_type"], saved["task_type"], saved["r"], saved["lora_alpha"]) == (
       "LORA", "CAUSAL_LM", RANK, ALPHA)
   reference = transformers.AutoModelForCausalLM.from_pretrained(
