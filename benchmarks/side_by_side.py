@@ -19,6 +19,15 @@ printed as a check), then times, alternating ours and theirs round by round:
 `jax.jit` of `jax.value_and_grad` over `gj.transform(config).apply` and the
 cross-entropy, with optax's clipped AdamW, no donation, nothing else called.
 
+`--lora_rank=r` times LoRA fine-tuning, the route most users take, in the same way: rank-r
+adapters on `config.lora.targets` (attention and MLP projections), the base frozen.
+Ours: a user's loop, `jax.value_and_grad` over the adapters of
+`gj.transform(config).apply(lora.combine(base, adapters), ...)`, optax's clipped AdamW
+over the adapters, `jax.jit`. Theirs: peft's `PeftModel.from_pretrained` of our adapters
+written by `gemma_jax.hf_peft.save` (B made nonzero, so that the logits check covers
+the adapters' mapping), AdamW over its trainable parameters. The forward pass runs the
+adapters unmerged on both sides; decoding is not timed (one merges before serving).
+
 Peak memory is `benchmarks/peak_memory.py`'s: each side in a process of its own.
 
 Both run in one process, so the host-memory setting `import gemma_jax` makes on a CPU
@@ -34,6 +43,7 @@ and fast phases fall on the peak as on the steps (`gemma_jax.training.flops`).
 
 import os
 import tempfile
+from typing import Optional
 
 from absl import app
 from absl import flags
@@ -44,7 +54,7 @@ import optax
 
 import common
 import gemma_jax as gj
-from gemma_jax import host_memory
+from gemma_jax import hf_peft, host_memory, lora
 from gemma_jax.inference import decoding, sampler
 from gemma_jax.training import data, flops, optimizer, steps
 
@@ -64,6 +74,9 @@ _TORCH = flags.DEFINE_bool("torch", True, "Also time transformers' PyTorch model
 _LIBRARY_PATH = flags.DEFINE_bool(
     "library_path", False, "Time a user's own loop (apply under jax.value_and_grad, optax "
     "AdamW, jax.jit) instead of gemma_jax.training's train step.")
+_LORA_RANK = flags.DEFINE_integer(
+    "lora_rank", 0, "Time LoRA fine-tuning at this adapter rank (ours: a user's loop over "
+    "the adapters; theirs: peft); 0: full fine-tuning.")
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
                            "benchmarks/results/<script>_<backend>.json.")
 
@@ -74,6 +87,7 @@ def model_config(name: str):
   config.model.remat_policy = _REMAT.value
   config.model.attention_kernel = _KERNEL.value
   config.optimizer.warmup_steps = 0
+  config.lora.rank = _LORA_RANK.value
   return config
 
 
@@ -127,51 +141,94 @@ class Ours:
 
 class UserLoop(Ours):
   """Ours as a user's own program runs it: the library's `init` and `apply`, optax, and
-  `jax.jit`; no train step, no donation, no special calls."""
+  `jax.jit`; no train step, no donation, no special calls. It trains all parameters;
+  `trainable` and `combine` say what a subclass trains instead."""
 
   def setup_training(self):
     model, o = self.model, self.config.optimizer
     self.tx = optax.chain(optax.clip_by_global_norm(o.max_grad_norm),
                           optax.adamw(o.learning_rate, b1=o.b1, b2=o.b2, eps=o.eps,
                                       weight_decay=o.weight_decay))
-    self._params = model.init(jax.random.key(0), self.tokens)
-    self.opt_state = self.tx.init(self._params)
+    self.frozen, self.trained = self.trainable(model.init(jax.random.key(0), self.tokens))
+    self.opt_state = self.tx.init(self.trained)
+    combine = self.combine
 
-    def loss(params, tokens):
-      logits = model.apply(params, tokens)
+    def loss(trained, frozen, tokens):
+      logits = model.apply(combine(frozen, trained), tokens)
       return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
                                                              tokens[:, 1:]).mean()
 
     @jax.jit
-    def step(params, opt_state, tokens):
-      value, grads = jax.value_and_grad(loss)(params, tokens)
-      updates, opt_state = self.tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, value
+    def step(trained, opt_state, frozen, tokens):
+      value, grads = jax.value_and_grad(loss)(trained, frozen, tokens)
+      updates, opt_state = self.tx.update(grads, opt_state, trained)
+      return optax.apply_updates(trained, updates), opt_state, value
 
     self._step = step
 
+  @staticmethod
+  def trainable(params):
+    """params -> (frozen, trained)."""
+    return {}, params
+
+  @staticmethod
+  def combine(frozen, trained):
+    """`trainable` undone: the parameters `apply` takes."""
+    del frozen
+    return trained
+
   @property
   def params(self):
-    return self._params
+    return self.combine(self.frozen, self.trained)
 
   def train_step(self):
-    self._params, self.opt_state, value = self._step(self._params, self.opt_state, self.tokens)
+    self.trained, self.opt_state, value = self._step(self.trained, self.opt_state,
+                                                     self.frozen, self.tokens)
     return float(value)
 
   def lowered_train_step(self) -> jax.stages.Lowered:
-    return self._step.lower(self._params, self.opt_state, self.tokens)
+    return self._step.lower(self.trained, self.opt_state, self.frozen, self.tokens)
+
+
+class UserLoraLoop(UserLoop):
+  """A user's LoRA loop: the base frozen (an argument of the jitted step, as a user
+  passes it), gradients and AdamW for the adapters only."""
+
+  @staticmethod
+  def trainable(params):
+    base, adapters = lora.split(params)
+    # B starts at zero; a small random B makes the adapters change the logits.
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(adapters))))
+    return base, jax.tree_util.tree_map_with_path(
+        lambda path, x: (0.02 * jax.random.normal(next(keys), x.shape, x.dtype)
+                         if path[-1].key == "lora_b" else x), adapters)
+
+  combine = staticmethod(lora.combine)
+
+  def save(self, path: str) -> str:
+    """Writes the base as a transformers directory and the adapters as a peft one
+    (`path`/adapter); returns the latter."""
+    gj.hf.save(path, lora.disabled(self.config), self.frozen)
+    adapter_dir = os.path.join(path, "adapter")
+    hf_peft.save(adapter_dir, self.config, self.trained)
+    return adapter_dir
 
 
 class Theirs:
   """transformers' model loaded from our checkpoint: the same three calls, eager PyTorch."""
 
-  def __init__(self, path: str, config, tokens: np.ndarray, prompts: np.ndarray):
+  def __init__(self, path: str, config, tokens: np.ndarray, prompts: np.ndarray,
+               adapter_dir: Optional[str] = None):
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
     self.torch = torch
     self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if adapter_dir:   # peft freezes the base: only the adapters require gradients
+      import peft  # pylint: disable=import-outside-toplevel
+      self.model = peft.PeftModel.from_pretrained(self.model, adapter_dir, is_trainable=True)
+    self.trained = [p for p in self.model.parameters() if p.requires_grad]
     o = config.optimizer
-    self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.learning_rate,
+    self.optimizer = torch.optim.AdamW(self.trained, lr=o.learning_rate,
                                        betas=(o.b1, o.b2), eps=o.eps,
                                        weight_decay=o.weight_decay)
     self.max_grad_norm = o.max_grad_norm
@@ -186,10 +243,10 @@ class Theirs:
         logits[:, :-1].reshape(-1, logits.shape[-1]), self.tokens[:, 1:].reshape(-1))
     loss.backward()
     if self.max_grad_norm:
-      torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+      torch.nn.utils.clip_grad_norm_(self.trained, self.max_grad_norm)
     self.optimizer.step()
     self.optimizer.zero_grad(set_to_none=True)
-    return float(loss)
+    return loss.item()
 
   def forward(self):
     self.model.eval()
@@ -218,18 +275,23 @@ def run_shape(name: str) -> dict:
   b, t = _BATCH.value, _SEQ.value
   tokens = random_tokens(m.vocab_size, (b, t), seed=0)
   prompts = random_tokens(m.vocab_size, (_DECODE_BATCH.value, _PROMPT.value), seed=1)
-  ours = (UserLoop if _LIBRARY_PATH.value else Ours)(config, tokens, prompts)
+  tuning = _LORA_RANK.value > 0
+  loop = UserLoraLoop if tuning else UserLoop if _LIBRARY_PATH.value else Ours
+  ours = loop(config, tokens, prompts)
   result = {"shape": name, "model": {k: v for k, v in m.to_dict().items() if k != "vision"},
             "batch_size": b, "seq_len": t, "decode_batch_size": _DECODE_BATCH.value,
-            "prompt_len": _PROMPT.value, "new_tokens": _NEW.value}
+            "prompt_len": _PROMPT.value, "new_tokens": _NEW.value,
+            "lora": config.lora.to_dict() if tuning else None}
   calls = {"ours": ours}
   if _TORCH.value:
     with tempfile.TemporaryDirectory() as path:
-      gj.hf.save(path, config, ours.params)
-      calls["theirs"] = Theirs(path, config, tokens, prompts)
+      adapter_dir = ours.save(path) if tuning else gj.hf.save(path, config, ours.params)
+      calls["theirs"] = Theirs(path, config, tokens, prompts, adapter_dir)
     theirs_logits = calls["theirs"].forward().numpy()
     result["max_logit_difference"] = float(np.abs(np.asarray(ours.forward()) - theirs_logits).max())
-    result["greedy_tokens_agreeing"] = leading_agreement(ours.greedy(), calls["theirs"].greedy())
+    if not tuning:
+      result["greedy_tokens_agreeing"] = leading_agreement(ours.greedy(),
+                                                           calls["theirs"].greedy())
 
   rounds = _ROUNDS.value
   size = 2048 if jax.default_backend() == "cpu" else 8192
@@ -238,22 +300,27 @@ def run_shape(name: str) -> dict:
       {"peak": peak_matmul, **{k: c.train_step for k, c in calls.items()}}, rounds)
   peak = result["peak_flops"] = peak_flop / train["peak"]
   forward = common.alternating_medians({k: c.forward for k, c in calls.items()}, rounds)
-  greedy = common.alternating_medians({k: c.greedy for k, c in calls.items()}, max(2, rounds // 2))
+  greedy = ({} if tuning else common.alternating_medians(
+      {k: c.greedy for k, c in calls.items()}, max(2, rounds // 2)))
   flops_per_token = flops.training_flops_per_token(m, t)
+  forward_flops_per_token = flops_per_token / 3
+  if tuning:   # no weight gradients of the frozen base (the adapters' own are negligible)
+    flops_per_token -= 2 * flops.matmul_params(m)
   for who in calls:
     result[who] = {
         "train_step_s": train[who], "train_tokens_per_s": b * t / train[who],
         "train_mfu": b * t / train[who] * flops_per_token / peak,
         "train_step_minor_page_faults": common.minor_page_faults(calls[who].train_step),
         "forward_s": forward[who], "forward_tokens_per_s": b * t / forward[who],
-        "forward_mfu": b * t / forward[who] * flops_per_token / 3 / peak,
-        "greedy_s": greedy[who],
-        "decode_tokens_per_s": _DECODE_BATCH.value * _NEW.value / greedy[who]}
+        "forward_mfu": b * t / forward[who] * forward_flops_per_token / peak,
+        "greedy_s": greedy.get(who),
+        "decode_tokens_per_s": _DECODE_BATCH.value * _NEW.value / greedy[who]
+                               if who in greedy else None}
   if _TORCH.value:
     result["ratio_ours_over_theirs"] = {
         "train_tokens_per_s": train["theirs"] / train["ours"],
         "forward_tokens_per_s": forward["theirs"] / forward["ours"],
-        "decode_tokens_per_s": greedy["theirs"] / greedy["ours"]}
+        "decode_tokens_per_s": greedy["theirs"] / greedy["ours"] if greedy else None}
   return result
 
 
@@ -266,9 +333,10 @@ def main(argv):
     result = run_shape(name)
     results.append(result)
     if "max_logit_difference" in result:
-      print(f"{name}: same weights, max |logit difference| "
-            f"{result['max_logit_difference']:.2e}; greedy tokens agreeing: "
-            f"{result['greedy_tokens_agreeing']}/{_NEW.value}", flush=True)
+      agreeing = (f"; greedy tokens agreeing: {result['greedy_tokens_agreeing']}/{_NEW.value}"
+                  if "greedy_tokens_agreeing" in result else "")
+      print(f"{name}: same weights{' and adapters' if _LORA_RANK.value else ''}, max |logit "
+            f"difference| {result['max_logit_difference']:.2e}{agreeing}", flush=True)
 
   rows = []
   for r in results:
@@ -276,12 +344,13 @@ def main(argv):
       if who in r:
         x = r[who]
         rows.append([r["shape"], who, x["train_tokens_per_s"], f"{x['train_mfu']:.1%}",
-                     x["forward_tokens_per_s"], x["decode_tokens_per_s"],
+                     x["forward_tokens_per_s"], x["decode_tokens_per_s"] or "",
                      r["peak_flops"] / 1e9, x["train_step_minor_page_faults"]])
     if "ratio_ours_over_theirs" in r:
       q = r["ratio_ours_over_theirs"]
       rows.append([r["shape"], "ours / theirs", f"{q['train_tokens_per_s']:.2f}x", "",
-                   f"{q['forward_tokens_per_s']:.2f}x", f"{q['decode_tokens_per_s']:.2f}x", "", ""])
+                   f"{q['forward_tokens_per_s']:.2f}x",
+                   f"{q['decode_tokens_per_s']:.2f}x" if q["decode_tokens_per_s"] else "", "", ""])
   common.print_table(
       f"batch {_BATCH.value} x {_SEQ.value} (train, forward); decode {_DECODE_BATCH.value} x "
       f"({_PROMPT.value} prompt + {_NEW.value} greedy); {_DTYPE.value}",
@@ -290,7 +359,7 @@ def main(argv):
   common.write_json(common.output_path(_OUT.value, "side_by_side"),
                     {"dtype": _DTYPE.value, "attention_kernel": _KERNEL.value,
                      "remat_policy": _REMAT.value, "keep_freed_host_memory": kept,
-                     "library_path": _LIBRARY_PATH.value,
+                     "library_path": _LIBRARY_PATH.value, "lora_rank": _LORA_RANK.value,
                      "results": results})
 
 
