@@ -213,6 +213,30 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_allclose(out, np_attention(q, k, v, np.asarray(mask), cap),
                                rtol=1e-5, atol=1e-5)
 
+  @parameterized.parameters(1.0, 1e16)
+  def test_masked_keys_stay_out_at_any_logit_magnitude(self, scale):
+    """Masked keys get no weight at any logit magnitude, against float64, down to logits
+    of ~ -1e32 (where adding float32's lowest would overflow to -inf, and a query that
+    sees no key would get NaN); that query (a padded one) gets a finite output, at
+    ordinary magnitudes the values' mean, as a select of float32's lowest gave."""
+    keys = jax.random.split(jax.random.key(3), 3)
+    t = 6
+    q = -jnp.abs(jax.random.normal(keys[0], (1, t, 2, 4))) * scale   # every q.k < 0
+    k = jnp.abs(jax.random.normal(keys[1], (1, t, 1, 4))) * scale
+    v = jax.random.normal(keys[2], (1, t, 1, 4))
+    mask = np.tril(np.ones((t, t), bool))[None]
+    mask[0, 2] = False                                # query 2 sees no key
+    for attend in (jax.jit(attention_lib.dot_product_attention),
+                   attention_lib.dot_product_attention):
+      out = np.asarray(attend(q, k, v, jnp.asarray(mask)))
+      self.assertTrue(np.isfinite(out).all())
+      rows = [i for i in range(t) if i != 2]
+      np.testing.assert_allclose(out[0, rows], np_attention(q, k, v, mask)[0, rows],
+                                 rtol=1e-5, atol=1e-5)
+      if scale == 1.0:
+        np.testing.assert_allclose(out[0, 2], np.broadcast_to(np.mean(v[0], 0), (2, 4)),
+                                   rtol=1e-5, atol=1e-6)
+
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters((4, 4, None, None), (4, 2, None, None), (4, 1, 5.0, None),
                             (4, 2, None, "local"), (2, 1, 3.0, "local"),

@@ -218,6 +218,11 @@ def _attention_at_even_length(q, k, v, mask, window):
                                window=window)[:, :t]
 
 
+# Half float32's lowest: a logit added to it stays finite (adding finfo.min itself
+# overflows to -inf from logits of about -1e31), and exp(it - row maximum) is 0.
+_MASKED_LOGIT = float(jnp.finfo(jnp.float32).min) / 2
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: Optional[jax.Array],
                       logit_softcap: Optional[float]) -> jax.Array:
@@ -236,7 +241,11 @@ def _attention_forward(q, k, v, mask, logit_softcap):
   logits = softcap(jnp.einsum("bkgth,bksh->bkgts", q, k, preferred_element_type=jnp.float32),
                    logit_softcap)
   if mask is not None:
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    # An additive bias rather than a select: XLA's CPU backend fuses the add into the
+    # logits' product, where a select was a pass of its own over the [T, S] logits
+    # (1 x 8192 tokens, gemma3-long: forward 3.20 -> 3.13 s). A masked logit becomes
+    # exactly the bias, so fully masked rows stay uniform, as with a select.
+    logits = logits + jnp.where(mask, 0.0, _MASKED_LOGIT)
   probs = jax.nn.softmax(logits, axis=-1)
   out = jnp.einsum("bkgts,bksh->bkgth", probs.astype(v.dtype), v)
   return out, (q, k, v, mask, probs, out)
