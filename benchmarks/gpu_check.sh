@@ -72,6 +72,7 @@ for i in "${!decode_variants[@]}"; do
     python3 accelerator.py "${model[@]}" --kernels= --decode_batch_sizes=1,64 \
     --out="$out/decode_variant$i.json"
 done
-run 200 profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
+[ "${PROFILE_LIMIT:-200}" = 0 ] && exit 0  # PROFILE_LIMIT=0: no profile (one is on record)
+run "${PROFILE_LIMIT:-200}" profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
   --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \
   --out="$out/profile_step_bf16.json"
