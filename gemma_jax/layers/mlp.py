@@ -15,6 +15,18 @@ ACTIVATIONS = {
 }
 
 
+def gated_activation(activation: str, gate: jax.Array, up: jax.Array) -> jax.Array:
+  """act(gate) * up, both [..., F] -> [..., F].
+
+  Its gradient recomputes act(gate) from gate rather than keeping act's intermediates:
+  left to itself, XLA writes one of them (a transcendental, which it will not duplicate
+  into the backward's kernel) as a second [..., F] output of the forward and reads it
+  back in the backward, the MLP's widest tensor moved twice more per layer. The
+  backward already reads gate and up, so the recomputation costs no traffic.
+  """
+  return jax.checkpoint(lambda g, u: ACTIVATIONS[activation](g) * u)(gate, up)
+
+
 class GatedMlp(nn.Module):
   """[B, T, D] -> [B, T, D] through a gated hidden layer of width F."""
   mlp_dim: int
@@ -28,8 +40,8 @@ class GatedMlp(nn.Module):
                                              param_dtype=self.param_dtype, name=name)
     gate = checkpoint_name(dense((self.mlp_dim,), ("embed", "mlp"), "gate")(x), "mlpwi_0")
     up = checkpoint_name(dense((self.mlp_dim,), ("embed", "mlp"), "up")(x), "mlpwi_1")
-    hidden = ACTIVATIONS[self.activation](gate) * up
-    hidden = nn.with_logical_constraint(hidden, ("batch", "length", "mlp"))
+    hidden = nn.with_logical_constraint(gated_activation(self.activation, gate, up),
+                                        ("batch", "length", "mlp"))
     out = dense((x.shape[-1],), ("mlp", "embed"), "down")(hidden)
     return checkpoint_name(out, "mlpwo")
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from gemma_jax.layers import expert_dispatch, expert_parallel
 from gemma_jax.layers.linear import Linear
-from gemma_jax.layers.mlp import ACTIVATIONS, GatedMlp
+from gemma_jax.layers.mlp import GatedMlp, gated_activation
 from gemma_jax.layers.norms import RMSNorm
 
 LOSSES = ("load_balance_loss", "router_z_loss")
@@ -134,7 +134,7 @@ class Experts(nn.Module):
   def hidden(self, gate: jax.Array, up: jax.Array) -> jax.Array:
     """An expert's hidden activations from its gate and up projections [.., F] (a hook:
     int8 training quantizes them)."""
-    return ACTIVATIONS[self.activation](gate) * up
+    return gated_activation(self.activation, gate, up)
 
 
 def split_experts(params: dict) -> dict:

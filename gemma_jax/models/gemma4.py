@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma_jax.layers.linear import Linear
-from gemma_jax.layers.mlp import ACTIVATIONS
+from gemma_jax.layers.mlp import gated_activation
 from gemma_jax.layers.moe import MoeBlock
 from gemma_jax.models.gemma3 import ACTIVATION_AXES, Gemma3Layer
 
@@ -57,7 +57,7 @@ class Gemma4Layer(Gemma3Layer):
     dense = lambda shape, axes, name: Linear(shape, axes, dtype=jnp.dtype(c.dtype),
                                              param_dtype=jnp.dtype(c.param_dtype), name=name)
     gate = dense((c.per_layer_input_dim,), ("embed", None), "per_layer_gate")(x)
-    y = ACTIVATIONS[c.activation](gate) * per_layer_input.astype(gate.dtype)
+    y = gated_activation(c.activation, gate, per_layer_input.astype(gate.dtype))
     y = dense((c.d_model,), (None, "embed"), "per_layer_proj")(y)
     return x + self.norm("post_per_layer_norm")(y)
 

@@ -56,7 +56,7 @@ from ml_collections import config_dict
 from gemma_jax.gemma4_images import ImagePatches
 from gemma_jax.layers.attention import dot_product_attention
 from gemma_jax.layers.linear import Linear
-from gemma_jax.layers.mlp import ACTIVATIONS
+from gemma_jax.layers.mlp import gated_activation
 from gemma_jax.layers.norms import RMSNorm
 from gemma_jax.layers.rope import apply_rope
 from gemma_jax.models import vision
@@ -188,7 +188,7 @@ class Gemma4VisionMlp(nn.Module):
                                                  self.param_dtype)
     gate = checkpoint_name(dense((c.mlp_dim,), ("embed", "mlp"), "gate")(x), "mlpwi_0")
     up = checkpoint_name(dense((c.mlp_dim,), ("embed", "mlp"), "up")(x), "mlpwi_1")
-    hidden = nn.with_logical_constraint(ACTIVATIONS[c.activation](gate) * up,
+    hidden = nn.with_logical_constraint(gated_activation(c.activation, gate, up),
                                         ("batch", "length", "mlp"))
     return checkpoint_name(dense((x.shape[-1],), ("mlp", "embed"), "down")(hidden), "mlpwo")
 
