@@ -9,14 +9,15 @@
 # The step as `benchmarks/accelerator.py` times a user's loop (`scan_unroll` "auto": the
 # layer loop unrolled; `model.loss(params, tokens)`; cuDNN attention given the mask by its
 # structure alone), weights and AdamW state in bfloat16, forward pass not timed, at
-# ROWS x 2048 (default 16; the fifth lease: 418.3 ms, 49.4% MFU with the loss fetched
-# every step; 425.2 ms, 48.6%, fetched every 10 steps on a slower card):
+# ROWS x 2048 (default 16; the sixth lease, the gated activation recomputed in the
+# gradient: 419.6 ms, 49.3% MFU, fetched every 10 steps, peak 59.6 GiB; 19 rows fit):
 # 1. the step, timed both ways, under XLA's defaults and each set of XLA_VARIANTS (one
 #    process: `--xla_variants`, a compile per set; six GPU flags are on record, none
 #    faster: docs/architecture.md, "A fifth H100 lease");
-# 2. greedy decoding at batch 1 and 64 with command buffers taking the decode loop's
-#    while and conditionals (DECODE_VARIANTS; as is on record: 456 / 28,100 tokens/s,
-#    batch 1 launch-bound, 726 kernels a token; the fifth lease's 90 s were too few);
+# 2. greedy decoding at batch 1 and 64, under XLA's defaults and each set of XLA_FLAGS
+#    in DECODE_VARIANTS (';'-separated; on record: 456 / 28,100 tokens/s as is, batch 1
+#    launch-bound at 726 kernels a token; 410 / 28,500 with the loop's while and
+#    conditionals as CUDA graphs, the sixth lease);
 # 3. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
 #    fifth lease: 1.8 ms a step between kernels).
 # attention_kernels.py (tokamax's kernels included), the 4, 8, 12 and 16 row steps,
@@ -65,8 +66,8 @@ run "${STEP_LIMIT:-240}" step python3 accelerator.py "${model[@]}" --loss=chunke
   --kernels=jax --decode_batch_sizes= --noforward --batch_size="$rows" \
   --param_dtype=bfloat16 --out="$out/accelerator_bf16.json" \
   --steps=10 --xla_variants="${XLA_VARIANTS:-}"
-IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-\
---xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL}"
+IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-}"
+decode_variants=("" "${decode_variants[@]}")
 for i in "${!decode_variants[@]}"; do
   XLA_FLAGS="${decode_variants[$i]}" run 150 "decode XLA_FLAGS=${decode_variants[$i]}" \
     python3 accelerator.py "${model[@]}" --kernels= --decode_batch_sizes=1,64 \
