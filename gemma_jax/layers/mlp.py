@@ -19,10 +19,10 @@ def gated_activation(activation: str, gate: jax.Array, up: jax.Array) -> jax.Arr
   """act(gate) * up, both [..., F] -> [..., F].
 
   Its gradient recomputes act(gate) from gate rather than keeping act's intermediates:
-  left to itself, XLA writes one of them (a transcendental, which it will not duplicate
-  into the backward's kernel) as a second [..., F] output of the forward and reads it
-  back in the backward, the MLP's widest tensor moved twice more per layer. The
-  backward already reads gate and up, so the recomputation costs no traffic.
+  left to itself, XLA on a GPU writes one of them as a second [..., F] output of the
+  forward and reads it back in the backward, the MLP's widest tensor moved twice more
+  per layer and kept alive in between. The backward already reads gate and up, so the
+  recomputation costs no traffic.
   """
   return jax.checkpoint(lambda g, u: ACTIVATIONS[activation](g) * u)(gate, up)
 
