@@ -15,6 +15,8 @@ import numpy as np
 from absl.testing import parameterized
 
 from gemma_jax.layers import attention as attention_lib
+from gemma_jax.layers import norms
+from gemma_jax.layers import rms_norm_gradient
 from gemma_jax.layers.mlp import GatedMlp
 from gemma_jax.layers.norms import RMSNorm
 from gemma_jax.layers.rope import apply_rope
@@ -112,6 +114,52 @@ class RMSNormTest(chex.TestCase):
     self.assertEqual(y.dtype, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(y, np.float32),
                                np_rms_norm(np.asarray(x, np.float32), 0.0, 1e-6), rtol=2e-2)
+
+
+class RMSNormGradientKernelTest(chex.TestCase, parameterized.TestCase):
+  """The Pallas backward (`rms_norm_gradient`, a GPU's path), run in Pallas's interpreter."""
+
+  @parameterized.parameters((37, 72, 4, 3), (64, 256, 0, 512), (19, 1152, 2, 4))
+  def test_backward_matches_float64(self, rows, width, block_rows, programs):
+    # Rows that fill neither a block nor a program's share, widths off a power of two.
+    rng = np.random.default_rng(rows)
+    x, dy = rng.normal(size=(2, rows, width)) * 3
+    w = rng.normal(size=width)
+    dx, dw = rms_norm_gradient.backward(
+        jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
+        jnp.asarray(dy, jnp.float32), 1e-6, block_rows=block_rows, programs=programs)
+    chex.assert_shape(dx, (rows, width))
+    chex.assert_shape(dw, (width,))
+    r = 1 / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
+    g = dy * w
+    np.testing.assert_allclose(dx, r * (g - x * r * np.mean(g * x * r, -1, keepdims=True)),
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dw, np.sum(dy * x * r, axis=0), rtol=1e-4, atol=1e-4)
+
+  @parameterized.parameters((True, True), (True, False), (False, True))
+  def test_module_gradients_match_float64(self, with_scale, plus_one):
+    x = jax.random.normal(jax.random.key(0), (2, 5, 24)).astype(jnp.bfloat16)
+    cotangent = jax.random.normal(jax.random.key(3), (2, 5, 24))
+    norm = RMSNorm(eps=1e-6, with_scale=with_scale, plus_one=plus_one)
+    params = {"params": {"scale": jax.random.normal(jax.random.key(2), (24,))}
+              } if with_scale else {}
+    loss = lambda params, x: jnp.sum(norm.apply(params, x).astype(jnp.float32) * cotangent)
+    with mock.patch.object(norms, "uses_gradient_kernel", return_value=True):
+      grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+      self.assertIn("pallas_call", str(jax.make_jaxpr(grad)(params, x)))
+      d_params, d_x = grad(params, x)
+    self.assertEqual(d_x.dtype, jnp.bfloat16)
+    # The norm's output is bfloat16, so is the cotangent it receives.
+    x64, c64 = (np.asarray(a, np.float64) for a in (x, cotangent.astype(jnp.bfloat16)))
+    s64 = np.asarray(params["params"]["scale"], np.float64) if with_scale else 0.0
+    rms = np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6)
+    g = c64 * ((1 + s64) if plus_one else s64)
+    expected_dx = g / rms - x64 * np.sum(g * x64, -1, keepdims=True) / (24 * rms ** 3)
+    np.testing.assert_allclose(np.asarray(d_x, np.float64), expected_dx, rtol=2e-2,
+                               atol=2e-2 * np.abs(expected_dx).max())
+    if with_scale:
+      np.testing.assert_allclose(d_params["params"]["scale"],
+                                 np.sum(x64 / rms * c64, axis=(0, 1)), rtol=1e-4, atol=1e-4)
 
 
 class RopeTest(chex.TestCase, parameterized.TestCase):

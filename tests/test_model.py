@@ -14,6 +14,7 @@ from absl.testing import parameterized
 
 import gemma_jax as gj
 from gemma_jax import decoder, modules, remat
+from gemma_jax.layers import norms
 from gemma_jax.layers.attention import CausalBlocks, CausalMask, LocalBlocks
 from gemma_jax.transformer import positions_from_segments
 
@@ -128,6 +129,20 @@ def test_remat_policy_keeps_loss_and_grads(policy, scan_unroll, remat_reference)
   remat_loss, remat_grads = jax.jit(jax.value_and_grad(loss_fn(model, toks)))(params)
   np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
   chex.assert_trees_all_close(remat_grads, grads, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy, scan_unroll", [("none", "auto"), ("full", "full")])
+def test_norm_gradient_kernel_keeps_loss_and_grads(policy, scan_unroll, remat_reference):
+  """Every norm's gradient as the Pallas kernel (a single GPU's path; here in Pallas's
+  interpreter), in the layers' scan and under remat, against XLA's gradients."""
+  toks, params, (loss, grads) = remat_reference
+  model = gj.transform(tiny(num_layers=7, remat_policy=policy, scan_unroll=scan_unroll))
+  step = jax.jit(jax.value_and_grad(loss_fn(model, toks)))
+  with mock.patch.object(norms, "uses_gradient_kernel", return_value=True):
+    assert "pallas_call" in str(jax.make_jaxpr(step)(params))
+    kernel_loss, kernel_grads = step(params)
+  np.testing.assert_allclose(kernel_loss, loss, rtol=1e-6)
+  chex.assert_trees_all_close(kernel_grads, grads, rtol=1e-4, atol=1e-5)
 
 
 class InputsTest(chex.TestCase):

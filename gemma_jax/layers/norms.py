@@ -1,11 +1,14 @@
 """RMSNorm in Gemma's two forms: x / rms(x) * (1 + scale) with scale stored
 zero-initialised (Gemma 3), or x / rms(x) * scale with scale ones-initialised (Gemma 4)."""
 
+import functools
 from typing import Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from gemma_jax.layers import rms_norm_gradient
 
 
 class RMSNorm(nn.Module):
@@ -28,14 +31,54 @@ class RMSNorm(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     """x: [..., D] -> [..., D]."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    weight = None
     if self.with_scale:
       init = nn.initializers.zeros_init() if self.plus_one else nn.initializers.ones_init()
       scale = self.param("scale", nn.with_logical_partitioning(init, (self.axis_name,)),
                          (x.shape[-1],), self.param_dtype).astype(jnp.float32)
-      y = scale_features(y, 1.0 + scale if self.plus_one else scale)
-    return y.astype(x.dtype)
+      weight = 1.0 + scale if self.plus_one else scale
+    if uses_gradient_kernel(x.shape[-1]):
+      return rms_norm(x, jnp.ones(x.shape[-1], jnp.float32) if weight is None else weight,
+                      self.eps)
+    y = normalise(x, self.eps)
+    return (y if weight is None else scale_features(y, weight)).astype(x.dtype)
+
+
+def uses_gradient_kernel(width: int) -> bool:
+  """Whether RMSNorm's gradient over `width` features is `rms_norm_gradient`'s kernel:
+  on a single GPU (XLA cannot partition a Pallas call, so across several devices XLA's
+  gradient stays rather than the kernel see gathered rows), for widths that are
+  multiples of 16 (the kernel's pieces of a row then load at least 16 elements; every
+  Gemma width is one)."""
+  return jax.default_backend() == "gpu" and jax.device_count() == 1 and width % 16 == 0
+
+
+def normalise(x: jax.Array, eps: float) -> jax.Array:
+  """x [..., D] -> x / rms(x) [..., D], float32."""
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+  """x [..., D] / rms(x) * weight [D] (float32) -> [..., D] in x's dtype: XLA's forward
+  pass, `rms_norm_gradient.backward`'s gradient."""
+  return scale_features(normalise(x, eps), weight).astype(x.dtype)
+
+
+def _rms_norm_fwd(x, weight, eps):
+  return rms_norm(x, weight, eps), (x, weight)
+
+
+def _rms_norm_bwd(eps, residuals, dy):
+  x, weight = residuals
+  width = x.shape[-1]
+  dx, dw = rms_norm_gradient.backward(x.reshape(-1, width), weight,
+                                      dy.reshape(-1, width), eps)
+  return dx.reshape(x.shape), dw
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 def scale_features(y: jax.Array, scale: jax.Array, bias: Optional[jax.Array] = None
