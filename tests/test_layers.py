@@ -136,6 +136,21 @@ class RMSNormGradientKernelTest(chex.TestCase, parameterized.TestCase):
                                rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dw, np.sum(dy * x * r, axis=0), rtol=1e-4, atol=1e-4)
 
+  def test_kernel_only_on_one_cuda_device_and_widths_of_sixteen(self):
+    backend = lambda version: mock.patch.object(
+        jax.extend.backend, "get_backend", return_value=mock.Mock(platform_version=version))
+    self.assertFalse(norms.uses_gradient_kernel(1152))      # this CPU
+    one_device = mock.patch.object(jax, "device_count", return_value=1)
+    with backend("cuda 12080"):
+      self.assertFalse(norms.uses_gradient_kernel(1152))    # the tests' several devices
+      with one_device:
+        self.assertTrue(norms.uses_gradient_kernel(1152))
+        self.assertFalse(norms.uses_gradient_kernel(1000))
+        with mock.patch.object(norms, "GRADIENT_KERNEL", False):
+          self.assertFalse(norms.uses_gradient_kernel(1152))
+    with backend("rocm 60300"), one_device:
+      self.assertFalse(norms.uses_gradient_kernel(1152))
+
   @parameterized.parameters((True, True), (True, False), (False, True))
   def test_module_gradients_match_float64(self, with_scale, plus_one):
     x = jax.random.normal(jax.random.key(0), (2, 5, 24)).astype(jnp.bfloat16)

@@ -6,10 +6,12 @@ from typing import Optional
 
 import flax.linen as nn
 import jax
+import jax.extend.backend
 import jax.numpy as jnp
 
 from gemma_jax.layers import rms_norm_gradient
 
+GRADIENT_KERNEL = True   # on a single CUDA GPU, RMSNorm's gradient as one Pallas kernel
 
 class RMSNorm(nn.Module):
   """Normalises the last axis in float32 and casts back to the input dtype.
@@ -46,11 +48,12 @@ class RMSNorm(nn.Module):
 
 def uses_gradient_kernel(width: int) -> bool:
   """Whether RMSNorm's gradient over `width` features is `rms_norm_gradient`'s kernel:
-  on a single GPU (XLA cannot partition a Pallas call, so across several devices XLA's
-  gradient stays rather than the kernel see gathered rows), for widths that are
-  multiples of 16 (the kernel's pieces of a row then load at least 16 elements; every
-  Gemma width is one)."""
-  return jax.default_backend() == "gpu" and jax.device_count() == 1 and width % 16 == 0
+  on a single CUDA GPU, the default backend (XLA cannot partition a Pallas call, so
+  across several devices XLA's gradient stays rather than the kernel see gathered rows;
+  the kernel was measured on NVIDIA cards only), for widths that are multiples of 16
+  (the kernel's pieces of a row then load at least 16 elements; every Gemma width is)."""
+  return (GRADIENT_KERNEL and "cuda" in jax.extend.backend.get_backend().platform_version
+          and jax.device_count() == 1 and width % 16 == 0)
 
 
 def normalise(x: jax.Array, eps: float) -> jax.Array:
