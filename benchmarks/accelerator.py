@@ -50,7 +50,7 @@ import numpy as np
 import common
 import gemma_jax as gj
 from gemma_jax.inference import decoding, sampler
-from gemma_jax.layers import chunked_loss
+from gemma_jax.layers import chunked_loss, norms
 from gemma_jax.training import flops
 
 _PRESET = flags.DEFINE_string("preset", "gemma3-1b", "Preset name.")
@@ -75,6 +75,8 @@ _CHUNK = flags.DEFINE_integer("loss_chunk_mib", None, "With --loss=chunked: floa
                               "library's budget (`chunked_loss.logits_budget`).")
 _ONE_PASS = flags.DEFINE_bool("one_pass_log_z", True, "With --loss=chunked: "
                                "`chunked_loss.ONE_PASS_LOG_Z` (off: two reductions).")
+_NORM_KERNEL = flags.DEFINE_bool("norm_gradient_kernel", True, "`norms.GRADIENT_KERNEL` "
+                                 "(off: XLA's RMSNorm gradient on a GPU too).")
 _FORWARD = flags.DEFINE_bool("forward", True, "Also time the forward pass (its own "
                              "compile; the logits compared across kernels).")
 _VARIANTS = flags.DEFINE_string(
@@ -243,6 +245,7 @@ def main(argv):
   if _CHUNK.value:
     chunked_loss.LOGITS_BYTES = _CHUNK.value << 20
   chunked_loss.ONE_PASS_LOG_Z = _ONE_PASS.value
+  norms.GRADIENT_KERNEL = _NORM_KERNEL.value
   m = model_config("einsum").model
   tokens = jnp.asarray(np.random.default_rng(0).integers(3, m.vocab_size, (b, t)), jnp.int32)
   flops_per_token = flops.training_flops_per_token(m, t)
@@ -259,7 +262,8 @@ def main(argv):
     common.write_json(common.output_path(_OUT.value, "accelerator"),
                       {"preset": _PRESET.value, "dtype": _DTYPE.value,
                        "param_dtype": _PARAM_DTYPE.value,
-                       "one_pass_log_z": _ONE_PASS.value, "batch_size": b,
+                       "one_pass_log_z": _ONE_PASS.value,
+                       "norm_gradient_kernel": _NORM_KERNEL.value, "batch_size": b,
                        "seq_len": t, "loss": _LOSS.value, "loss_chunk_mib": _CHUNK.value,
                        "remat_policy": _REMAT.value, "scan_unroll": _UNROLL.value,
                        "flops_per_token": flops_per_token, "datasheet_peak": peak,

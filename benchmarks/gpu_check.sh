@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 21's GPU figures in one call, for a short lease of a GPU machine:
 #   bash benchmarks/gpu_check.sh        # gemma3-1b, bfloat16, 16 x 2048; writes to $OUT
-#   PRESET=gemma3-tiny ROWS=2 SEQ=256 DTYPE=float32 \
+#   PRESET=gemma3-tiny ROWS=2 SEQ=256 DTYPE=float32 NORM_SHAPES=64x1152 \
 #     XLA_VARIANTS="xla_cpu_use_xnnpack=false;xla_backend_optimization_level=2" \
 #     DECODE_VARIANTS="--xla_cpu_use_xnnpack=false" \
 #     bash benchmarks/gpu_check.sh                                        # a dry run
@@ -10,10 +10,14 @@
 # layer loop unrolled; `model.loss(params, tokens)`; cuDNN attention given the mask by its
 # structure alone), weights and AdamW state in bfloat16, forward pass not timed, at
 # ROWS x 2048 (default 16; the sixth lease, the gated activation recomputed in the
-# gradient: 419.6 ms, 49.3% MFU, fetched every 10 steps, peak 59.6 GiB; 19 rows fit):
+# gradient: 419.6 ms, 49.3% MFU, fetched every 10 steps, peak 59.6 GiB; 19 rows fit; the
+# seventh, RMSNorm's gradient as a Pallas kernel in an earlier form: 416.7-417.0 ms, 49.6%,
+# the kept form not yet timed in the step):
+# 0. benchmarks/norm_gradient.py: RMSNorm's gradient, XLA's against the Pallas kernel;
 # 1. the step, timed both ways, under XLA's defaults and each set of XLA_VARIANTS (one
 #    process: `--xla_variants`, a compile per set; six GPU flags are on record, none
-#    faster: docs/architecture.md, "A fifth H100 lease");
+#    faster: docs/architecture.md, "A fifth H100 lease"); then (NORM_AB=1, the default)
+#    the same step with XLA's RMSNorm gradient instead of the kernel, its own process;
 # 2. greedy decoding at batch 1 and 64, under XLA's defaults and each set of XLA_FLAGS
 #    in DECODE_VARIANTS (';'-separated; on record: 456 / 28,100 tokens/s as is, batch 1
 #    launch-bound at 726 kernels a token; 410 / 28,500 with the loop's while and
@@ -62,10 +66,14 @@ run() {  # seconds, name, command...: one log for all (the tool brings back 8 fi
   echo "$(date +%T) $name (limit $limit s)" | tee -a "$out/gpu_check.log"
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee -a "$out/gpu_check.log"
 }
-run "${STEP_LIMIT:-240}" step python3 accelerator.py "${model[@]}" --loss=chunked \
-  --kernels=jax --decode_batch_sizes= --noforward --batch_size="$rows" \
-  --param_dtype=bfloat16 --out="$out/accelerator_bf16.json" \
-  --steps=10 --xla_variants="${XLA_VARIANTS:-}"
+run 90 norm_gradient python3 norm_gradient.py --out="$out/norm_gradient.json" \
+  --shapes="${NORM_SHAPES:-32768x1152,131072x256,32768x256}"
+step=(python3 accelerator.py "${model[@]}" --loss=chunked --kernels=jax --decode_batch_sizes=
+      --noforward --batch_size="$rows" --param_dtype=bfloat16 --steps=10)
+run "${STEP_LIMIT:-240}" step "${step[@]}" --out="$out/accelerator_bf16.json" \
+  --xla_variants="${XLA_VARIANTS:-}"
+[ "${NORM_AB:-1}" = 1 ] && run "${STEP_LIMIT:-240}" "step, XLA's norm gradient" "${step[@]}" \
+  --nonorm_gradient_kernel --out="$out/accelerator_bf16_xla_norm_gradient.json"
 IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-}"
 decode_variants=("" "${decode_variants[@]}")
 for i in "${!decode_variants[@]}"; do
