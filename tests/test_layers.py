@@ -119,7 +119,8 @@ class RMSNormTest(chex.TestCase):
 class RMSNormGradientKernelTest(chex.TestCase, parameterized.TestCase):
   """The Pallas backward (`rms_norm_gradient`, a GPU's path), run in Pallas's interpreter."""
 
-  @parameterized.parameters((37, 72, 4, 3), (64, 256, 0, 512), (19, 1152, 2, 4))
+  @parameterized.parameters((37, 72, 4, 3), (64, 256, 0, 512), (19, 1152, 2, 4),
+                            (0, 128, 0, 512))
   def test_backward_matches_float64(self, rows, width, block_rows, programs):
     # Rows that fill neither a block nor a program's share, widths off a power of two.
     rng = np.random.default_rng(rows)

@@ -36,6 +36,8 @@ def backward(x: jax.Array, weight: jax.Array, dy: jax.Array, eps: float, *,
   power-of-two widths, so a row is taken as the powers of two that sum to D (1152 as
   1024 + 128): no lane is masked off. Off a GPU it runs in Pallas's interpreter."""
   rows, width = x.shape
+  if rows == 0:
+    return jnp.zeros_like(x), jnp.zeros((width,), jnp.float32)
   block_rows = block_rows or 1 << max(0, (_BLOCK_ELEMENTS // width).bit_length() - 1)
   blocks = pl.cdiv(rows, block_rows * programs)
   programs = pl.cdiv(rows, block_rows * blocks)
