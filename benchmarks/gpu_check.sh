@@ -24,6 +24,8 @@
 #    conditionals as CUDA graphs, the sixth lease);
 # 3. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
 #    fifth lease: 1.8 ms a step between kernels).
+# One call has 600 s: the next lease's A/B of the norm kernel fits with
+#   DECODE_LIMIT=0 PROFILE_LIMIT=0 bash benchmarks/gpu_check.sh
 # attention_kernels.py (tokamax's kernels included), the 4, 8, 12 and 16 row steps,
 # float32 weights and the one-pass log_z A/B are on record for the H100. Call with
 # timeout_s 600: the lease's start is ~90 s of its 900, and what runs late may be cut
@@ -76,8 +78,9 @@ run "${STEP_LIMIT:-240}" step "${step[@]}" --out="$out/accelerator_bf16.json" \
   --nonorm_gradient_kernel --out="$out/accelerator_bf16_xla_norm_gradient.json"
 IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-}"
 decode_variants=("" "${decode_variants[@]}")
+[ "${DECODE_LIMIT:-150}" = 0 ] && decode_variants=()  # DECODE_LIMIT=0: no decoding (on record)
 for i in "${!decode_variants[@]}"; do
-  XLA_FLAGS="${decode_variants[$i]}" run 150 "decode XLA_FLAGS=${decode_variants[$i]}" \
+  XLA_FLAGS="${decode_variants[$i]}" run "${DECODE_LIMIT:-150}" "decode XLA_FLAGS=${decode_variants[$i]}" \
     python3 accelerator.py "${model[@]}" --kernels= --decode_batch_sizes=1,64 \
     --out="$out/decode_variant$i.json"
 done
