@@ -56,6 +56,21 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 # JAX's persistent cache across the runs: profile_step's step, and every run's init and
 # forward of the same config, load what an earlier run compiled (~30 s each on an H100).
 export JAX_COMPILATION_CACHE_DIR=/tmp/gpu_check_xla_cache
+# Inside it XLA keeps each GEMM fusion's autotuning result (JAX's default XLA cache), which
+# a cold compile of the step spends much of its ~140 s finding. Leases start bare, so the
+# results travel: those of the last lease are read from .gpu_cache/ (git-ignored; name it
+# in the call's carry, after copying the last call's xla_autotune_*.tar.gz there), and
+# this lease's come back in $OUT. A changed fusion, another card or another jax misses and
+# is tuned again; the file names the jax version, so another version's results stay out.
+jax_version=$(python3 -c "import jax; print(jax.__version__)" 2>/dev/null || echo unknown)
+autotune=xla_autotune_jax$jax_version.tar.gz
+mkdir -p "$JAX_COMPILATION_CACHE_DIR"
+[ -f ".gpu_cache/$autotune" ] && tar -xzf ".gpu_cache/$autotune" -C "$JAX_COMPILATION_CACHE_DIR"
+save_autotune() {
+  [ -d "$JAX_COMPILATION_CACHE_DIR/xla_gpu_per_fusion_autotune_cache_dir" ] &&
+    tar -czf "$out/$autotune" -C "$JAX_COMPILATION_CACHE_DIR" xla_gpu_per_fusion_autotune_cache_dir
+}
+trap save_autotune EXIT
 # The card's memory for the 16 rows (XLA's allocator takes 75% of it by default).
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.94}
 rows=${ROWS:-16}
