@@ -68,8 +68,9 @@ def _key(path: Tuple[str, ...]) -> str:
 
 def _target_modules(modules, num_layers: int):
   """peft's target_modules for exactly `modules` (names below the text model): the
-  projection names when every layer has the same ones, else a regex of the full names."""
-  kinds = {m.split(".", 2)[2] for m in modules}
+  projection names when every layer has the same ones and nothing outside the layers is
+  adapted, else a regex of the full names."""
+  kinds = {m.split(".", 2)[2] for m in modules if m.startswith("layers.")}
   if set(modules) == {f"layers.{i}.{kind}" for i in range(num_layers) for kind in kinds}:
     return sorted({kind.rsplit(".", 1)[-1] for kind in kinds})
   return "|".join(re.escape(f"model.{m}") for m in sorted(modules))

@@ -46,15 +46,20 @@ def peft_logits(model, tokens):
   return torch_reference.torch_logits(model, tokens)
 
 
-@pytest.mark.parametrize("preset, model", [("gemma3-tiny", GEMMA3), ("gemma4-tiny", GEMMA4),
-                                           ("gemma4-moe-tiny", GEMMA4)],
-                         ids=["gemma3", "gemma4", "gemma4-moe"])
-def test_saved_adapters_run_in_peft_as_ours(tmp_path, preset, model):
+@pytest.mark.parametrize("preset, model, targets", [
+    ("gemma3-tiny", GEMMA3, None), ("gemma4-tiny", GEMMA4, None),
+    ("gemma4-moe-tiny", GEMMA4, None),
+    ("gemma4-tiny", dict(GEMMA4, per_layer_input_dim=8), (r"kernel$",))],
+                         ids=["gemma3", "gemma4", "gemma4-moe", "gemma4-per-layer-all-linear"])
+def test_saved_adapters_run_in_peft_as_ours(tmp_path, preset, model, targets):
   """A random gemma_jax model (norm scales too) with random nonzero adapters on the
-  default targets (of a mixture of experts: its dense MLP): hf.save + hf_peft.save, read
-  by AutoModelForCausalLM + PeftModel in float32, give our logits; peft's own
-  save_pretrained of them writes our tensor names and values."""
+  default targets (of a mixture of experts: its dense MLP), or on every linear module as
+  peft's "all-linear" adapts them (the per-layer inputs' projection, outside the layers,
+  included): hf.save + hf_peft.save, read by AutoModelForCausalLM + PeftModel in float32,
+  give our logits; peft's own save_pretrained of them writes our tensor names and values."""
   config = our_config(preset, model)
+  if targets:
+    config.lora.targets = targets
   params = gj.transform(config).init(jax.random.key(0), np.zeros((1, 1), np.int32))
   base, adapters = lora.split(params)
   base = jax.tree_util.tree_map_with_path(
@@ -71,6 +76,8 @@ def test_saved_adapters_run_in_peft_as_ours(tmp_path, preset, model):
     assert re.fullmatch(saved["target_modules"], "model.layers.0.self_attn.v_proj")
     assert not re.fullmatch(saved["target_modules"], "model.layers.3.self_attn.v_proj")
     assert re.fullmatch(saved["target_modules"], "model.layers.3.mlp.down_proj")
+  if targets:
+    assert re.fullmatch(saved["target_modules"], "model.per_layer_model_projection")
   assert (saved["peft_type"], saved["task_type"], saved["r"], saved["lora_alpha"]) == (
       "LORA", "CAUSAL_LM", RANK, ALPHA)
   reference = transformers.AutoModelForCausalLM.from_pretrained(
