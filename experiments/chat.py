@@ -60,6 +60,7 @@ def main(argv):
                                        system=_SYSTEM.value, cache_dtype=_CACHE_DTYPE.value)
     sampler.check_options(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
                           config.model.vocab_size)
+    sampler.check_max_new_tokens(_MAX_NEW_TOKENS.value)
   except (gj.ConfigError, ValueError, OSError) as error:   # WorkdirError, CheckpointError too
     sys.exit(f"chat.py: error: {error}")
   replies = 0

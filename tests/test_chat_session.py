@@ -174,6 +174,38 @@ def test_session_refuses_a_conversation_past_max_length():
   assert session.ids == []   # nothing was computed
 
 
+@pytest.mark.parametrize("max_new_tokens", [0, -30])
+def test_session_refuses_a_reply_of_no_tokens(max_new_tokens):
+  """A negative count also shrank the positions a turn was checked for, so the cache
+  could overflow silently."""
+  config = small("gemma3-tiny")
+  session = ChatSession(config, random_params(config), tokenizers.ByteTokenizer(),
+                        max_length=64)
+  with pytest.raises(ValueError, match=f"max_new_tokens must be an integer >= 1, got "
+                                       f"{max_new_tokens}"):
+    session.send("x" * 40, max_new_tokens=max_new_tokens)
+  assert session.ids == [] and session.fed_chunks == []
+
+
+def test_a_reply_left_early_keeps_the_conversation_and_the_cache_in_step():
+  """The reader stops after the first piece of a reply (a "stop" button): the next turn
+  follows the last token sampled, and the session's logits equal the full forward over
+  the conversation (they were 0.04 off, the abandoned token in `ids` but never cached)."""
+  config = small("gemma3-tiny", vocab_size=261)
+  tokenizer = tokenizers.ByteTokenizer()
+  params = chatty_params(config)
+  session = ChatSession(config, params, tokenizer, max_length=256)
+  pieces = session.send("Hi there!", max_new_tokens=8)
+  next(pieces)
+  pieces.close()
+  first_turn = list(session.ids)
+  assert first_turn[-1] not in tokenizer.stop_ids   # the reply was cut, not finished
+  "".join(session.send("Spell cat.", max_new_tokens=8))
+  assert session.ids[len(first_turn)] == tokenizer.end_of_turn_id
+  full = gj.transform(config).apply(params, jnp.asarray([session.ids[:-1]]))[0, -1]
+  np.testing.assert_allclose(session.logits, full, atol=3e-5)
+
+
 def test_chat_app_reads_turns_from_a_pipe(tmp_path):
   """experiments/chat.py with piped input: each line a turn, the replies greedy over one
   conversation, /reset a new one, /quit the end (the line after it is never read)."""

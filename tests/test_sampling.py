@@ -208,3 +208,19 @@ def test_top_k_past_the_vocabulary_is_named():
   sample = sampler.Sampler(config, params, tokenizers.ByteTokenizer()).sample
   with pytest.raises(ValueError, match=rf"top_k={config.model.vocab_size + 1} exceeds"):
     sample(["abc"], max_new_tokens=2, temperature=1.0, top_k=config.model.vocab_size + 1)
+
+
+@pytest.mark.parametrize("prompts, options, message", [
+    ("abc", {}, r"prompts must be a non-empty sequence of strings, got 'abc' \(for one "
+                r"prompt call the sampler itself"),
+    ([], {}, r"prompts must be a non-empty sequence of strings, got \[\]"),
+    (["abc"], dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+])
+def test_sampler_refuses_bad_prompts_and_lengths(prompts, options, message):
+  """A bare string would be read as one prompt per character; no prompt at all failed
+  inside numpy."""
+  config = gj.get_config("gpt3-52k")
+  params = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  sample = sampler.Sampler(config, params, tokenizers.ByteTokenizer()).sample
+  with pytest.raises(ValueError, match=message):
+    sample(prompts, **dict(dict(max_new_tokens=2), **options))

@@ -90,29 +90,38 @@ class ChatSession:
     """The model's reply to the user's `text`, yielded as text pieces while it is
     generated (a piece is held back while it ends inside a multi-byte character).
 
+    The turn is checked and computed here, at the call; the reply is sampled as it is
+    read. A reply read in part (the loop left early) ends the turn where it was left: the
+    next turn follows the last token sampled.
+
     Raises:
-      ValueError: a sampling option out of range, or a turn that would take the
-        conversation past `max_length` positions.
+      ValueError: a sampling option out of range, `max_new_tokens` < 1, or a turn that
+        would take the conversation past `max_length` positions.
     """
     sampler.check_options(temperature, top_k, top_p, self.config.model.vocab_size)
+    sampler.check_max_new_tokens(max_new_tokens)
     turn = self._turn_ids(text)
-    pending = ([] if self._unfed is None else [self._unfed]) + turn.tolist()
     needed = len(self.ids) + len(turn) + max_new_tokens
     if needed > self.max_length:
       raise ValueError(f"this turn needs {needed} positions, more than max_length="
                        f"{self.max_length}: reset the conversation")
+    self._feed(np.asarray(([] if self._unfed is None else [self._unfed]) + turn.tolist(),
+                          np.int32))
     self.ids += turn.tolist()
     self._unfed = None
-    self._feed(np.asarray(pending, np.int32))
-    rng = jax.random.key(seed)
+    return self._reply(max_new_tokens, jax.random.key(seed),
+                       dict(temperature=temperature, top_k=top_k, top_p=top_p))
+
+  def _reply(self, max_new_tokens: int, rng: jax.Array, options: dict) -> Iterator[str]:
+    """Samples the reply token by token. Each token sampled is in `ids` and, until the
+    cache holds it, in `_unfed`, so wherever the reader stops, `ids` and the cache agree."""
     reply, shown = [], ""
     for _ in range(max_new_tokens):
       rng, key = jax.random.split(rng)
-      token = int(sampler.choose(self.logits[None], key, temperature=temperature, top_k=top_k,
-                                 top_p=top_p)[0])
+      token = int(sampler.choose(self.logits[None], key, **options)[0])
       self.ids.append(token)
+      self._unfed = token
       if token in self.tokenizer.stop_ids:
-        self._unfed = token
         break
       reply.append(token)
       text_so_far = self.tokenizer.decode(reply)
@@ -120,9 +129,9 @@ class ChatSession:
         yield text_so_far[len(shown):]
         shown = text_so_far
       if len(reply) == max_new_tokens:
-        self._unfed = token
         break
       self._feed(np.asarray([token], np.int32))
+      self._unfed = None
     final = self.tokenizer.decode(reply)
     if len(final) > len(shown):
       yield final[len(shown):]

@@ -39,6 +39,12 @@ def check_options(temperature: float, top_k: int, top_p: float,
     raise ValueError(f"top_p must lie in (0, 1] (1: all tokens), got {top_p}")
 
 
+def check_max_new_tokens(max_new_tokens: int) -> None:
+  """Raises ValueError unless `max_new_tokens` is an integer >= 1."""
+  if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+    raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+
+
 def choose(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int = 0,
            top_p: float = 1.0) -> jax.Array:
   """logits [B, V] -> token ids [B] int32.
@@ -154,8 +160,11 @@ class Sampler:
       of its text.
     """
     check_options(temperature, top_k, top_p, vocab_size=self.config.model.vocab_size)
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-      raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
+    if isinstance(prompts, str) or not prompts:
+      raise ValueError(f"prompts must be a non-empty sequence of strings, got {prompts!r}"
+                       + (" (for one prompt call the sampler itself: sampler(prompt))"
+                          if isinstance(prompts, str) else ""))
     t = self.tokenizer
     rows = [np.concatenate([[t.bos_id], ids]) for ids in t.encode(list(prompts))]
     pixels = None
