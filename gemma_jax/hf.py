@@ -461,15 +461,16 @@ def _text_tensors(tensors: Dict[str, np.ndarray],
 
 
 def _from_hf(value: np.ndarray, tensor: _Tensor, shape: Tuple[int, ...]):
-  """A stored tensor -> our parameter of `shape`, or a message saying why it does not fit."""
+  """A stored tensor -> our parameter of `shape`, or a message saying why it does not fit
+  (only the stored shape does: a transposed weight has the right size, not the shape)."""
   if tensor.in_dims is None:
     return value if value.shape == shape else f"{value.shape} != expected {shape}"
   index, count = tensor.part
-  fits = (value.ndim == tensor.lead + 2 and value.shape[:tensor.lead] == shape[:tensor.lead]
-          and value.shape[-2] % count == 0 and value.size == count * np.prod(shape))
-  if not fits:
-    return f"{value.shape} does not fit {shape}"
-  rows = value.shape[-2] // count
+  split = tensor.lead + tensor.in_dims
+  rows = int(np.prod(shape[split:]))   # this part's share of the stored output dim
+  stored = shape[:tensor.lead] + (count * rows, int(np.prod(shape[tensor.lead:split])))
+  if value.shape != stored:
+    return f"{value.shape} != expected {stored}"
   return np.swapaxes(value[..., index * rows:(index + 1) * rows, :], -1, -2).reshape(shape)
 
 
@@ -624,8 +625,9 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
       continue
     used.add(name)
     value = family.from_hf(tensors[name], key, shape.shape)
-    if isinstance(value, str):
-      mismatched.append(f"{name}: {value}")
+    if isinstance(value, str):   # (said once for a tensor that holds two of ours)
+      problem = f"{name}: {value}"
+      mismatched += [] if problem in mismatched else [problem]
       continue
     params[key] = value if shardings else np.asarray(value, dtype=np.dtype(param_dtype))
   unexpected += sorted(set(tensors) - used - _unused_by_shared_layers(config.model))

@@ -18,6 +18,7 @@ import gemma_jax as gj
 from gemma_jax import safetensors_io, sharded_read, sharding
 from gemma_jax.decoder import layer_types
 from gemma_jax.layers import chunked_loss
+import test_gemma4
 import torch_reference
 from torch_reference import torch_logits
 
@@ -178,18 +179,38 @@ def _edit_checkpoint(path, edit):
   st_torch.save_file(tensors, file, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("edit,message", [
-    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+def _transposed(name):
+  """An edit storing tensor `name` with its last two dims swapped (as many elements)."""
+  return lambda t: t.update({name: t[name].transpose(-1, -2).contiguous()})
+
+
+_TWO_LAYERS = functools.partial(random_model, 0, num_hidden_layers=2, num_key_value_heads=2)
+_MOE = functools.partial(test_gemma4.random_model, 0,
+                         **test_gemma4.SHAPES["moe_6_layers_top1_same_head_dim"])
+
+
+@pytest.mark.parametrize("model,edit,message", [
+    (_TWO_LAYERS, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
      r"missing tensors: \['layers.1.mlp.up_proj.weight'\]"),
-    (lambda t: t.update({"model.layers.9.extra.weight": torch.zeros(3)}),
+    (_TWO_LAYERS, lambda t: t.update({"model.layers.9.extra.weight": torch.zeros(3)}),
      r"unexpected tensors: \['layers.9.extra.weight'\]"),
-    (lambda t: t.update({"model.norm.weight": torch.zeros(47)}),
+    (_TWO_LAYERS, lambda t: t.update({"model.norm.weight": torch.zeros(47)}),
      r"norm.weight: \(47,\) != expected \(48,\)"),
-    (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(60, 48)}),
-     r"layers.0.self_attn.q_proj.weight: \(60, 48\) does not fit"),
-])
-def test_bad_checkpoint_names_offending_tensors(tmp_path, edit, message):
-  random_model(0, num_hidden_layers=2, num_key_value_heads=2).save_pretrained(str(tmp_path))
+    (_TWO_LAYERS,
+     lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(60, 48)}),
+     r"layers.0.self_attn.q_proj.weight: \(60, 48\) != expected \(64, 48\)"),
+    (_TWO_LAYERS, _transposed("model.layers.0.mlp.gate_proj.weight"),
+     r"shape mismatches: \['layers.0.mlp.gate_proj.weight: \(48, 80\) != expected "
+     r"\(80, 48\)'\]$"),
+    (_MOE, _transposed("model.layers.0.experts.gate_up_proj"),
+     r"shape mismatches: \['layers.0.experts.gate_up_proj: \(3, 32, 24\) != expected "
+     r"\(3, 24, 32\)'\]$"),
+], ids=["missing", "unexpected", "norm_size", "q_proj_size", "gate_proj_transposed",
+        "experts_gate_up_transposed"])
+def test_bad_checkpoint_names_offending_tensors(tmp_path, model, edit, message):
+  """Each tensor named once, with its shape and the one expected (a transposed weight has
+  the right size, not the right shape)."""
+  model().save_pretrained(str(tmp_path))
   _edit_checkpoint(str(tmp_path), edit)
   with pytest.raises(gj.hf.CheckpointError, match=message):
     gj.hf.load(str(tmp_path))

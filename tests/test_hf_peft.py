@@ -159,7 +159,10 @@ def _edited_copy(src, dst, **changes):
   return dst
 
 
-@pytest.mark.parametrize("changes, lora_fields, drop, message", [
+_Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+
+@pytest.mark.parametrize("changes, lora_fields, edit, message", [
     (dict(use_rslora=True), {}, None, r"use_rslora=True is not supported"),
     (dict(use_dora=True), {}, None, r"use_dora=True is not supported"),
     (dict(rank_pattern={"q_proj": 8}), {}, None, r"rank_pattern"),
@@ -168,18 +171,22 @@ def _edited_copy(src, dst, **changes):
     ({}, dict(targets=(r"attn/q/kernel$",)), None,
      r"adapter_model\.safetensors: layers\.0\.mlp\.down_proj\.lora_A\.weight \(and 59 more\) "
      r"are adapters config\.lora\.targets does not"),
-    ({}, {}, "gate_proj", r"adapter_model\.safetensors: no tensor for layers\.0\.mlp\.gate_proj"),
+    ({}, {}, lambda t: {k: v for k, v in t.items() if "gate_proj" not in k},
+     r"adapter_model\.safetensors: no tensor for layers\.0\.mlp\.gate_proj"),
+    ({}, {}, lambda t: dict(t, **{_Q_A: np.ascontiguousarray(t[_Q_A].T)}),
+     r"adapter_model\.safetensors: layers\.0\.self_attn\.q_proj\.lora_A\.weight "
+     r"\(48, 4\) != expected \(4, 48\)$"),
 ])
-def test_load_refuses_what_does_not_fit(peft_directory, tmp_path, changes, lora_fields, drop,
+def test_load_refuses_what_does_not_fit(peft_directory, tmp_path, changes, lora_fields, edit,
                                         message):
-  """peft options we do not implement, rank and alpha other than config.lora's, and
-  adapted modules other than config.lora.targets' (extra ones; missing ones)."""
+  """peft options we do not implement, rank and alpha other than config.lora's, adapted
+  modules other than config.lora.targets' (extra ones; missing ones), and an adapter of
+  the right size but not the right shape (transposed)."""
   base_dir, adapter_dir, _ = peft_directory
   directory = _edited_copy(adapter_dir, str(tmp_path / "edited"), **changes)
-  if drop:
+  if edit:
     file = os.path.join(directory, hf_peft.WEIGHTS_FILE)
-    safetensors_io.write(file, {k: v for k, v in safetensors_io.read(file).items()
-                                if drop not in k})
+    safetensors_io.write(file, edit(safetensors_io.read(file)))
   config = gj.hf.load_config(base_dir)
   config.lora.rank, config.lora.alpha = RANK, ALPHA
   config.lora.update(lora_fields)
