@@ -375,7 +375,10 @@ def config_to_hf(config: config_dict.ConfigDict) -> dict:
       raise CheckpointError("config.model.rope_global_fraction: transformers' Gemma 3 "
                             "rotates the whole head dim")
     scalar = m.query_pre_attn_scalar or m.head_dim
-    hf["query_pre_attn_scalar"] = int(scalar) if float(scalar).is_integer() else scalar
+    if not float(scalar).is_integer():
+      raise CheckpointError(f"config.model.query_pre_attn_scalar: transformers' "
+                            f"Gemma3TextConfig takes an integer, not {scalar!r}")
+    hf["query_pre_attn_scalar"] = int(scalar)
   else:
     hf.update({
         "use_bidirectional_attention": "vision" if "local" in m.bidirectional_span_types

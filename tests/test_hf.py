@@ -335,6 +335,18 @@ def test_save_names_image_spans_gemma3_cannot_represent(tmp_path):
     gj.hf.save(str(tmp_path / "out"), config, params={})
   assert not os.listdir(tmp_path)
 
+def test_save_refuses_a_query_pre_attn_scalar_gemma3_cannot_read(tmp_path):
+  """transformers' Gemma3TextConfig takes an integer query_pre_attn_scalar only."""
+  with pytest.raises(Exception, match="query_pre_attn_scalar' expected int"):
+    transformers.Gemma3TextConfig(query_pre_attn_scalar=20.5)
+  config = gj.get_config("gemma3-tiny")
+  config.model.query_pre_attn_scalar = 20.5
+  with pytest.raises(gj.hf.CheckpointError,
+                     match=r"config\.model\.query_pre_attn_scalar: .* an integer, not 20\.5"):
+    gj.hf.save(str(tmp_path / "out"), config, params={})
+  assert not os.listdir(tmp_path)
+
+
 def test_save_refuses_gpt2_with_sliding_window_layers(tmp_path):
   """GPT2LMHeadModel attends globally on every layer: a local layer is refused before
   anything is written."""
