@@ -552,10 +552,36 @@ def _unused_by_shared_layers(m: config_dict.ConfigDict) -> set:
 
 
 def _unrolled_shapes(config: config_dict.ConfigDict) -> dict:
+  """The model's parameter shapes, layers unrolled, without LoRA adapters."""
   unrolled = config_dict.ConfigDict(config.to_dict())
   unrolled.model.scan_layers = False
+  unrolled.lora.rank = 0
   tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
   return jax.eval_shape(transform(unrolled).init, jax.random.key(0), tokens)
+
+
+def _misfits(what: str, missing: list, unexpected: list, mismatched: list) -> str:
+  """The non-empty lists among these, as one message ("" when all are empty)."""
+  return "; ".join(f"{kind}: {names}" for kind, names in (
+      (f"missing {what}", missing), (f"unexpected {what}", unexpected),
+      ("shape mismatches", mismatched)) if names)
+
+
+def _check_params(config: config_dict.ConfigDict, flat: dict) -> None:
+  """A CheckpointError naming each of the (unrolled) parameters `flat` that the config's
+  model lacks, has no place for, or holds in another shape."""
+  expected = flax.traverse_util.flatten_dict(_unrolled_shapes(config))
+  missing = ["/".join(key) for key in expected if key not in flat]
+  unexpected = ["/".join(key) for key in flat if key not in expected]
+  mismatched = [f"{'/'.join(key)}: {np.shape(flat[key])} != expected {shape.shape}"
+                for key, shape in expected.items()
+                if key in flat and np.shape(flat[key]) != shape.shape]
+  problems = _misfits("parameters", missing, unexpected, mismatched)
+  if any(key[-1] in ("lora_a", "lora_b") for key in flat):
+    problems += ("; LoRA adapters are saved merged: save lora.merge(config, params) with "
+                 "lora.disabled(config)")
+  if problems:
+    raise CheckpointError(f"params do not fit config.model: {problems}")
 
 
 def read_json_object(file: str) -> dict:
@@ -634,11 +660,9 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
       continue
     params[key] = value if shardings else np.asarray(value, dtype=np.dtype(param_dtype))
   unexpected += sorted(set(tensors) - used - _unused_by_shared_layers(config.model))
-  problems = [f"missing tensors: {missing}" if missing else "",
-              f"unexpected tensors: {unexpected}" if unexpected else "",
-              f"shape mismatches: {mismatched}" if mismatched else ""]
-  if any(problems):
-    raise CheckpointError(f"{path}: " + "; ".join(p for p in problems if p))
+  problems = _misfits("tensors", missing, unexpected, mismatched)
+  if problems:
+    raise CheckpointError(f"{path}: {problems}")
   params = flax.traverse_util.unflatten_dict(params)
   if not shardings:
     return config, stack_layers(params, config.model)
@@ -725,6 +749,8 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
          write_extra: Optional[Callable[[str], None]] = None) -> None:
   """Writes config.json and model.safetensors that transformers' from_pretrained reads
   (and, for a Gemma 4 image model, the preprocessor_config.json of its resize budget).
+  `params` are the config's model's, LoRA adapters merged (`lora.merge`); parameters
+  missing, unexpected or of another shape are a CheckpointError listing them.
 
   `write_extra(directory)`, if given, writes more files (tokenizer, generation config)
   into the new checkpoint before it is moved into place; they replace files of the same
@@ -744,6 +770,7 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   family = _family(config.model.block_type, config.model.vision.enabled)
   hf_config = family.config_to_hf(config)
   flat = flax.traverse_util.flatten_dict(unstack_layers(params, config.model))
+  _check_params(config, flat)
   parts = {}
   for key, value in flat.items():
     name, part, value = family.to_hf(np.asarray(jax.device_get(value)), key)

@@ -1,5 +1,6 @@
 """transformers interop: logits of loaded checkpoints, the save round trip, errors."""
 
+import copy
 import functools
 import json
 import os
@@ -15,7 +16,7 @@ import transformers
 from safetensors import torch as st_torch
 
 import gemma_jax as gj
-from gemma_jax import safetensors_io, sharded_read, sharding
+from gemma_jax import lora, safetensors_io, sharded_read, sharding
 from gemma_jax.decoder import layer_types
 from gemma_jax.layers import chunked_loss
 import test_gemma4
@@ -516,6 +517,33 @@ def test_save_over_a_bigger_sharded_checkpoint_leaves_no_stale_shard(tmp_path, t
   np.testing.assert_array_equal(model.model.embed_tokens.weight.detach().numpy(),
                                 params["embed"]["embedding"])
   np.testing.assert_array_equal(_saved_embedding(out), params["embed"]["embedding"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_layers=3), r"missing parameters: \['layers_2/attn/k/kernel', .*"
+                         r"'layers_2/pre_mlp_norm/scale'\]$"),
+    (dict(num_layers=1), r"unexpected parameters: \['layers_1/attn/k/kernel', .*\]$"),
+    (dict(mlp_dim=40), r"shape mismatches: \['layers_0/mlp/down/kernel: \(80, 48\) != "
+                       r"expected \(40, 48\)', .*'layers_1/mlp/up/kernel: \(48, 80\) != "
+                       r"expected \(48, 40\)'\]$"),
+    ("adapters", r"unexpected parameters: \['layers_0/attn/k/lora_a', .*"
+                 r"'layers_1/mlp/up/lora_b'\]; LoRA adapters are saved merged: save "
+                 r"lora\.merge\(config, params\) with lora\.disabled\(config\)$"),
+], ids=["fewer_layers", "more_layers", "mlp_dim", "unmerged_lora"])
+def test_save_refuses_params_that_do_not_fit_the_config(tmp_path, two_layers, change, message):
+  """Checked before anything is written: what transformers would otherwise load with
+  missing layers initialised at random, or refuse."""
+  config, params = two_layers
+  config = copy.deepcopy(config)
+  if change == "adapters":
+    config.lora.rank = 4
+    params = lora.combine(params, lora.init_adapters(config, jax.random.key(0)))
+  else:
+    config.model.update(change)
+  with pytest.raises(gj.hf.CheckpointError, match=r"^params do not fit config\.model: "
+                     + message):
+    gj.hf.save(str(tmp_path / "out"), config, params)
+  assert not os.listdir(tmp_path)
 
 
 def test_save_refuses_a_path_that_is_a_file(tmp_path, two_layers):
