@@ -4,7 +4,9 @@ r"""Hands a trained workdir to the PyTorch world.
     python experiments/export.py --workdir=runs/lora --out=runs/lora_peft --peft
 
 Without --peft: a transformers directory (config.json, model.safetensors, the tokenizer's
-files, generation_config.json with the stop ids), LoRA adapters merged into their base;
+files, generation_config.json with the stop ids), LoRA adapters merged into their base
+(QLoRA's into the float weights its base was quantized from: transformers holds no integer
+weights);
 `AutoModelForCausalLM.from_pretrained(OUT)` and `sample.py --hf_dir=OUT` read it. With
 --peft: the LoRA adapters alone, as a peft directory (adapter_config.json,
 adapter_model.safetensors) for `peft.PeftModel.from_pretrained(base, OUT)`, the base being
@@ -20,10 +22,10 @@ import sys
 from absl import app
 from absl import flags
 
-from gemma_jax import apps, hf, hf_peft
+from gemma_jax import apps, hf, hf_peft, quant
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.config import ConfigError
-from gemma_jax.training import init_from
+from gemma_jax.training import init_from, tokenizers
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to export.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write.")
@@ -38,8 +40,11 @@ def generation_config(tokenizer) -> dict:
 
 
 def export_model(workdir: str, out: str) -> str:
-  """Writes the workdir's model (adapters merged), tokenizer and generation config."""
-  config, params, tokenizer = workdir_lib.load_model(workdir=workdir)
+  """Writes the workdir's model (adapters merged into the float base), tokenizer and
+  generation config."""
+  config = quant.float_config(workdir_lib.load_config(workdir))
+  config, params = init_from.merged(config, workdir)
+  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer or "byte", config.model.vocab_size)
 
   def write_extra(directory):
     tokenizer.save(directory)

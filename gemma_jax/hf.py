@@ -35,6 +35,7 @@ from gemma_jax import config as config_lib
 from gemma_jax import hf_gemma4_vision
 from gemma_jax import hf_tower
 from gemma_jax import hf_vision
+from gemma_jax import quant
 from gemma_jax import safetensors_io
 from gemma_jax import sharded_read
 from gemma_jax.decoder import layer_types, stack_layers, unstack_layers
@@ -767,6 +768,10 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
     raise CheckpointError(f"config.model.block_type: transformers has no layout for "
                           f"{config.model.block_type!r}")
+  if config.model.quant in quant.STORED_MODES:
+    raise CheckpointError(f"config.model.quant: {config.model.quant!r} stores integer "
+                          f"weights, transformers' checkpoints float ones: save the float "
+                          f"weights it was quantized from, under quant.float_config(config)")
   family = _family(config.model.block_type, config.model.vision.enabled)
   hf_config = family.config_to_hf(config)
   flat = flax.traverse_util.flatten_dict(unstack_layers(params, config.model))

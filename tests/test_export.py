@@ -30,17 +30,17 @@ def app(name, *flags):
                         capture_output=True, text=True, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def route(tmp_path_factory):
-  """A random transformers Gemma 3 with the byte tokenizer's files, LoRA-tuned for a few
-  steps on the shipped chat file, then exported both ways: the directories."""
-  root = tmp_path_factory.mktemp("route")
+def fine_tune_and_export(root, **model):
+  """A random transformers Gemma 3 with the byte tokenizer's files, LoRA-tuned (with
+  `model`'s fields) for a few steps on the shipped chat file, then exported both ways:
+  `root`, which holds the directories."""
   torch.manual_seed(0)
   base = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**HF_SHAPE))
   base.save_pretrained(root / "base")
   tokenizers.ByteTokenizer().save(str(root / "base"))
   config = gj.get_config("gemma3-tiny")
   config.train.init_from = str(root / "base")
+  config.model.update(model)
   config.data.update(path=CHAT, format="chat", seq_len=128, eval_fraction=0.05)
   config.lora.update(rank=4, alpha=8.0)
   config.train.update(steps=3, batch_size=8, log_every=3, eval_every=0, eval_batches=1,
@@ -53,6 +53,11 @@ def route(tmp_path_factory):
     result = app("export", f"--workdir={root / 'lora'}", *flags)
     assert result.returncode == 0, result.stderr
   return root
+
+
+@pytest.fixture(scope="module")
+def route(tmp_path_factory):
+  return fine_tune_and_export(tmp_path_factory.mktemp("route"))
 
 
 def torch_logits(model, tokens):
@@ -71,6 +76,21 @@ def test_exported_model_and_adapters_give_our_logits_in_transformers_and_peft(ro
   np.testing.assert_allclose(torch_logits(exported, tokens), ours, atol=1e-4, rtol=0)
   with_adapters = peft.PeftModel.from_pretrained(base, route / "lora_peft").eval()
   np.testing.assert_allclose(torch_logits(with_adapters, tokens), ours, atol=1e-4, rtol=0)
+
+
+def test_qlora_export_merges_the_adapters_into_the_float_base(tmp_path):
+  """QLoRA trains adapters over an int4 copy of the base; transformers reads float weights,
+  so the export merges them into the float base: it computes what peft computes with the
+  exported adapters on that base."""
+  route = fine_tune_and_export(tmp_path, quant="int4_weights", quant_group_size=16)
+  tokens = np.random.RandomState(0).randint(0, 300, (2, 21)).astype(np.int32)
+  base = transformers.AutoModelForCausalLM.from_pretrained(route / "base").eval()
+  before = torch_logits(base, tokens)
+  with_adapters = torch_logits(peft.PeftModel.from_pretrained(base, route / "lora_peft").eval(),
+                               tokens)
+  assert np.abs(with_adapters - before).max() > 1e-3   # the adapters changed the model
+  exported = transformers.AutoModelForCausalLM.from_pretrained(route / "lora_hf").eval()
+  np.testing.assert_allclose(torch_logits(exported, tokens), with_adapters, atol=1e-4, rtol=0)
 
 
 def test_exported_directory_samples_and_tokenizes_as_the_run(route):

@@ -348,6 +348,18 @@ def test_save_refuses_a_query_pre_attn_scalar_gemma3_cannot_read(tmp_path):
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("mode", ["int8_weights", "int4_weights"])
+def test_save_refuses_stored_integer_weights(tmp_path, mode):
+  """transformers' Gemma classes read float weights: a quantized model is refused from
+  its config (its integer kernels and their scales have no names there)."""
+  config = gj.get_config("gemma3-tiny")
+  config.model.quant = mode
+  with pytest.raises(gj.hf.CheckpointError, match=rf"^config\.model\.quant: '{mode}' .*"
+                     r"quant\.float_config"):
+    gj.hf.save(str(tmp_path / "out"), config, params={})
+  assert not os.listdir(tmp_path)
+
+
 def test_save_refuses_gpt2_with_sliding_window_layers(tmp_path):
   """GPT2LMHeadModel attends globally on every layer: a local layer is refused before
   anything is written."""
