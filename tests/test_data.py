@@ -125,11 +125,19 @@ def test_text_and_jsonl_documents_by_glob(tmp_path):
   assert sorted(docs) == sorted(TEXTS[:2] + ["third", "fourth"])
 
 
+def test_a_byte_order_mark_opens_a_jsonl_file(tmp_path):
+  (tmp_path / "a.jsonl").write_bytes('{"text": "x"}\n{"text": "y"}\n'.encode("utf-8-sig"))
+  assert data.read_documents(str(tmp_path / "a.jsonl")) == ["x", "y"]
+
+
 @pytest.mark.parametrize("files,path,field,message", [
     ({}, "nowhere/*.txt", "data.path", "no file matches"),
     ({"a.txt": "", "b.txt": "  \n"}, "*.txt", "data.path", "hold no text"),
     ({"a.jsonl": '{"body": "x"}\n'}, "*.jsonl", "data.text_field", "a.jsonl:1"),
-    ({"a.jsonl": "not json\n"}, "*.jsonl", "data.text_field", "'text' string"),
+    ({"a.jsonl": '{"text": "x"}\n{"text": "cut'}, "*.jsonl", "data.path",
+     r"a.jsonl:2 is not JSON \(Unterminated string"),
+    ({"a.jsonl": '{"text": "x"}\n{"text": "half a pair: \\ud83d"}\n'}, "*.jsonl", "data.path",
+     r"a.jsonl:2 holds a lone UTF-16 surrogate '\\ud83d', which is not text"),
     ({"a.jsonl": '{"text": "x"}\n{"text": 3}\n'}, "*.jsonl", "data.text_field",
      r"a.jsonl:2 is not a JSON object with a 'text' string"),
     ({"a.jsonl": '{"text": "x"}\n\n{"text": null}\n'}, "*.jsonl", "data.text_field",

@@ -75,18 +75,21 @@ def _read_jsonl(filename: str, text_field: str, data_format: str) -> list:
   with open(filename, "rb") as f:
     for line_number, raw in enumerate(f, 1):
       where = f"{filename}:{line_number}"
-      try:
-        line = raw.decode("utf-8")
+      try:   # a byte-order mark may open the file
+        line = raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
       except UnicodeDecodeError as error:
         raise DataError("data.path", f"{where} is not UTF-8 ({error})") from None
       if not line.strip():
         continue
       try:
         record = json.loads(line)
+        # JSON's \uXXXX escapes can spell half of a UTF-16 pair, which no text holds.
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
       except json.JSONDecodeError as error:
-        if data_format == "chat":
-          raise DataError("data.path", f"{where} is not JSON ({error})") from None
-        record = None
+        raise DataError("data.path", f"{where} is not JSON ({error})") from None
+      except UnicodeEncodeError as error:
+        raise DataError("data.path", f"{where} holds a lone UTF-16 surrogate "
+                        f"{error.object[error.start]!r}, which is not text") from None
       if data_format != "text" and isinstance(record, dict) and "messages" in record:
         try:
           chat.check_messages(record["messages"])
