@@ -573,7 +573,7 @@ def _check_params(config: config_dict.ConfigDict, flat: dict) -> None:
   model lacks, has no place for, or holds in another shape."""
   expected = flax.traverse_util.flatten_dict(_unrolled_shapes(config))
   missing = ["/".join(key) for key in expected if key not in flat]
-  unexpected = ["/".join(key) for key in flat if key not in expected]
+  unexpected = sorted("/".join(key) for key in flat if key not in expected)
   mismatched = [f"{'/'.join(key)}: {np.shape(flat[key])} != expected {shape.shape}"
                 for key, shape in expected.items()
                 if key in flat and np.shape(flat[key]) != shape.shape]
