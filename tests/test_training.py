@@ -19,6 +19,7 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import transformer
+from gemma_jax import workdir as workdir_lib
 from gemma_jax.training import (checkpoints, data, flops, loop, loss, metrics, optimizer, steps,
                                 tokenizers)
 
@@ -245,6 +246,52 @@ def test_a_log_record_averages_every_step_since_the_last_even_across_saves(full_
   assert tokens == [3 * config.train.batch_size * config.data.seq_len] * 2
 
 
+def test_a_stop_logs_the_steps_since_the_last_record(full_run, tmp_path, monkeypatch):
+  """SIGTERM during step 3 with records every 4 steps: the stop logs steps 1-3 before it
+  saves (a resumed run never runs them again), then the resumed run logs 4 and 5-6."""
+  config, full_workdir, _ = full_run
+  config = config.copy_and_resolve_references()
+  config.train.log_every, config.train.eval_every = 4, 0
+  config.sample.max_new_tokens = 0
+  fetched = []
+  next_batch = data.TrainBatches.__next__
+
+  def signalling_next(self):
+    fetched.append(None)
+    if len(fetched) == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return next_batch(self)
+
+  with monkeypatch.context() as patch:
+    patch.setattr(data.TrainBatches, "__next__", signalling_next)
+    assert loop.train(config, str(tmp_path))["stopped_by"] == "SIGTERM"
+  loop.train(config, str(tmp_path))
+  each_step = {r["step"]: r for r in metrics.read_records(full_workdir)}
+  records = metrics.read_records(str(tmp_path))
+  assert [r["step"] for r in records] == [3, 4, 6]
+  for record, steps_in in zip(records, ([1, 2, 3], [4], [5, 6])):
+    for key in ("loss", "grad_norm", "target_tokens"):
+      assert record[key] == pytest.approx(np.mean([each_step[s][key] for s in steps_in]),
+                                          rel=1e-6), (record["step"], key)
+
+
+def test_the_saved_config_names_data_and_tokenizer_by_absolute_paths(corpus, tmp_path,
+                                                                     monkeypatch):
+  """Given relative to the working directory, they are found from any other: the apps
+  need only --workdir."""
+  tokenizers.ByteTokenizer().save(str(tmp_path / "tok"))
+  corpus_dir, pattern = os.path.split(corpus)
+  os.symlink(corpus_dir, tmp_path / "corpus")
+  config = tiny_config(os.path.join("corpus", pattern))
+  config.train.steps, config.optimizer.warmup_steps = 1, 0
+  config.data.tokenizer = "tok"
+  monkeypatch.chdir(tmp_path)
+  loop.train(config, "run")
+  saved = workdir_lib.load_config(str(tmp_path / "run")).data
+  assert (saved.path, saved.tokenizer) == (str(tmp_path / "corpus" / pattern),
+                                           str(tmp_path / "tok"))
+
+
 def test_steps_after_the_first_of_each_kind_trace_and_compile_nothing(corpus, tmp_path,
                                                                      monkeypatch):
   """No recompilation between steps: the train step is traced once, and once a log, an
@@ -340,6 +387,7 @@ def test_resuming_under_another_model_or_optimizer_names_what_differs(corpus, tm
   config = tiny_config(corpus)
   config.train.steps, config.optimizer.warmup_steps = 1, 0
   loop.train(config, str(tmp_path))
+  saved_config = (tmp_path / "config.json").read_text()
   directory = re.escape(str(tmp_path / "checkpoints"))
   for section, field, value, message in [
       ("model", "d_model", 48, r"params/\S+ is \(1, 32, 1, 16\) there, \(1, 48, 1, 16\) here"),
@@ -351,6 +399,9 @@ def test_resuming_under_another_model_or_optimizer_names_what_differs(corpus, tm
                        f"match this config: {message}; resume with the config") as error:
       loop.train(changed, str(tmp_path))
     assert error.value.field == section
+    # The workdir keeps the config its checkpoint was saved with, so the apps still
+    # load it (and the advice above still holds).
+    assert (tmp_path / "config.json").read_text() == saved_config
   assert checkpoints.Checkpointer(str(tmp_path / "checkpoints"), 2).all_steps() == (1,)
 
 

@@ -139,6 +139,17 @@ def _tokenizer_name(config: config_dict.ConfigDict) -> str:
   return "byte"
 
 
+def _anchor_paths(config: config_dict.ConfigDict) -> None:
+  """Makes data.path's globs and a tokenizer file or directory absolute, so that the
+  saved config names the same files from any working directory."""
+  d = config.data
+  if d.path is not None:
+    d.path = ",".join(os.path.abspath(os.path.expanduser(p.strip()))
+                      for p in d.path.split(",") if p.strip())
+  if d.tokenizer != "byte" and os.path.exists(d.tokenizer):
+    d.tokenizer = os.path.abspath(d.tokenizer)
+
+
 def _frozen_base(config: config_dict.ConfigDict, mesh):
   """The weights LoRA adapts, laid out on `mesh`: train.init_from's."""
   if not config.train.init_from:
@@ -172,6 +183,7 @@ def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -
   config = init_from.resolve(config, model_overrides)
   with config.unlocked():
     config.data.tokenizer = _tokenizer_name(config)
+  _anchor_paths(config)
   config_lib.validate(config)
   if config.model.quant in quant.STORED_MODES and not config.lora.rank:
     raise config_lib.ConfigError(
@@ -202,8 +214,6 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   _say(f"data: {len(train_rows)} train rows, {len(eval_rows)} eval rows of "
        f"{config.data.seq_len} tokens; eval unigram entropy {entropy:.4f} nats/token")
 
-  if jax.process_index() == 0:
-    config_file = workdir_lib.save_config(workdir, config)
   model = transformer.transform(config)
   schedule = optimizer.learning_rate_schedule(config.optimizer, t.steps)
   tx = optimizer.make_optimizer(config.optimizer, schedule)
@@ -242,6 +252,9 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
       state = init()
       if t.init_from:
         _say(f"LoRA (rank {config.lora.rank}) over the frozen weights of {t.init_from}")
+    # Only now: a resume the checkpoint refuses leaves the config it was saved with.
+    if jax.process_index() == 0:
+      config_file = workdir_lib.save_config(workdir, config)
 
     def train_step(state, batch, frozen):
       step_forward = lambda params, batch, rng: forward(combine(frozen, params), batch, rng)
@@ -291,7 +304,7 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
         bar.update()
         done = step == t.steps
         evaluate = done or (t.eval_every and step % t.eval_every == 0)
-        log = done or evaluate or step % t.log_every == 0
+        log = done or evaluate or stop.requested or step % t.log_every == 0
         save = done or step % config.checkpoint.save_every == 0
         if not (log or save or stop.requested):
           continue
