@@ -262,6 +262,10 @@ def train_config() -> config_dict.ConfigDict:
   # Start from these weights (the optimizer starts fresh): a transformers save_pretrained
   # directory or a training workdir. The model section comes from the checkpoint.
   c.init_from = config_dict.placeholder(str)
+  # With a workdir as init_from: the step of its checkpoints to start from. None: its
+  # latest, fixed when the run starts and saved with the run's config, so that a LoRA
+  # run keeps the base it was trained on while that workdir trains on.
+  c.init_from_step = config_dict.placeholder(int)
   return c
 
 
@@ -572,6 +576,10 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
   need(config.train.init_from is None or (isinstance(config.train.init_from, str)
                                           and config.train.init_from.strip()),
        "train.init_from", "must name a transformers directory or a workdir, or be None")
+  need(config.train.init_from_step is None or (_integer(config.train.init_from_step)
+                                               and config.train.init_from_step >= 0),
+       "train.init_from_step", f"must be an integer >= 0, or None (the latest), got "
+       f"{config.train.init_from_step!r}")
   integer("data.seq_len", 2)
   number("data.eval_fraction", "(0, 1)")
 

@@ -207,3 +207,38 @@ def test_train_app_names_a_contradicting_model_flag_in_one_line(hf_checkpoint, t
   assert result.returncode == 1
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and "config.model.num_layers: 5 contradicts the checkpoint" in lines[0]
+
+
+def test_a_lora_run_keeps_the_step_of_the_workdir_it_adapts(corpus, tmp_path):
+  """LoRA over a training workdir's weights, whose run then trains on: the LoRA model, as
+  the apps load it and as its run resumes, stays over the step it was trained on (it
+  followed the base's latest checkpoint); train.init_from_step picks a kept step and
+  names a missing one."""
+  tiny = dict(vocab_size=262, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64,
+              num_layers=2, attention_pattern=("local", "global"), sliding_window=8)
+  base, tuned = str(tmp_path / "base"), str(tmp_path / "lora")
+
+  def train_base(steps):
+    config = run_config(corpus, steps=steps)
+    config.model.update(tiny)
+    config.checkpoint.update(save_every=1, keep=5)
+    loop.train(config, base)
+
+  def lora_config(**train):
+    config = run_config(corpus, init_from=base, **train)
+    config.lora.rank = 2
+    return config
+
+  train_base(2)
+  loop.train(lora_config(steps=1), tuned)
+  assert workdir_lib.load_config(tuned).train.init_from_step == 2
+  _, before = init_from.merged(workdir_lib.load_config(tuned), tuned)
+  train_base(3)   # the base trains on
+  _, after = init_from.merged(workdir_lib.load_config(tuned), tuned)
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+  loop.train(lora_config(steps=2), tuned)   # resumed: its base stays at step 2
+  assert workdir_lib.load_config(tuned).train.init_from_step == 2
+  assert init_from.resolve(lora_config(init_from_step=1)).train.init_from_step == 1
+  with pytest.raises(gj.ConfigError, match=r"config\.train\.init_from_step: .*base holds the "
+                     r"checkpoints of steps 1, 2, 3, not of step 7"):
+    init_from.resolve(lora_config(init_from_step=7))

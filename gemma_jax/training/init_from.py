@@ -72,14 +72,36 @@ def resolve(config: config_dict.ConfigDict,
   for field in COMPUTE_FIELDS:
     resolved.model[field] = config.model[field]
   resolved.train.init_from = os.path.abspath(path)
+  resolved.train.init_from_step = _base_step(path, config.train.init_from_step)
   return workdir_lib.config_from_dict(resolved.to_dict())
 
 
+def _base_step(path: str, step: Optional[int]) -> Optional[int]:
+  """The step of workdir `path` to start from: `step`, which it must hold, else its
+  latest; None for a transformers directory, which must not be given one."""
+  if _kind(path) != "workdir":
+    if step is not None:
+      raise ConfigError("train.init_from_step", f"{step} names a step of a workdir's "
+                        f"checkpoints; {path} is a transformers directory")
+    return None
+  checkpointer = checkpoints.Checkpointer(workdir_lib.checkpoint_dir(path), 1)
+  try:
+    kept = checkpointer.all_steps()
+  finally:
+    checkpointer.close()
+  if not kept:
+    raise ConfigError("train.init_from", f"{path} has no checkpoint yet")
+  if step is not None and step not in kept:
+    raise ConfigError("train.init_from_step", f"{path} holds the checkpoints of steps "
+                      f"{', '.join(map(str, kept))}, not of step {step}")
+  return kept[-1] if step is None else step
+
+
 def restore_params(config: config_dict.ConfigDict, workdir: str,
-                   mesh: Optional[jax.sharding.Mesh] = None):
-  """The parameters of a workdir's latest checkpoint as trained (with LoRA, the adapters
-  alone): on the default device, or laid out on `mesh` by the sharding rules (each host
-  restoring its own shards)."""
+                   mesh: Optional[jax.sharding.Mesh] = None, step: Optional[int] = None):
+  """The parameters of a workdir's checkpoint of `step` (default: the latest) as trained
+  (with LoRA, the adapters alone): on the default device, or laid out on `mesh` by the
+  sharding rules (each host restoring its own shards)."""
   model = transformer.transform(config)
   tx = optimizer.make_optimizer(
       config.optimizer, optimizer.learning_rate_schedule(config.optimizer, config.train.steps))
@@ -97,7 +119,11 @@ def restore_params(config: config_dict.ConfigDict, workdir: str,
   try:
     if checkpointer.latest_step() is None:
       raise workdir_lib.WorkdirError(f"{workdir}: no checkpoint in {directory} yet")
-    state, _ = checkpointer.restore(like)
+    if step is not None and step not in checkpointer.all_steps():
+      raise workdir_lib.WorkdirError(
+          f"{workdir}: no checkpoint of step {step} in {directory} (kept: "
+          f"{', '.join(map(str, checkpointer.all_steps()))}); a run over it needs that step")
+    state, _ = checkpointer.restore(like, step)
   finally:
     checkpointer.close()
   return state.params
@@ -120,7 +146,7 @@ def base_params(config: config_dict.ConfigDict,
   path = config.train.init_from
   shardings = None if mesh is None else sharding.param_shardings(lora.disabled(config), mesh)
   if _kind(path) == "workdir":
-    _, params = merged(workdir_lib.load_config(path), path, mesh)
+    _, params = merged(workdir_lib.load_config(path), path, mesh, config.train.init_from_step)
   else:
     try:
       _, params = hf.load(path, param_dtype=config.model.param_dtype,
@@ -133,12 +159,14 @@ def base_params(config: config_dict.ConfigDict,
 
 
 def merged(config: config_dict.ConfigDict, workdir: str,
-           mesh: Optional[jax.sharding.Mesh] = None) -> Tuple[config_dict.ConfigDict, dict]:
-  """(config, params) of a workdir's latest checkpoint as one model: a LoRA run's
-  adapters merged into the base it started from (and lora.rank 0 in the config); on the
-  default device, or laid out on `mesh`. Over a quantized base (QLoRA) the adapters stay
-  beside it, unmerged, as they were trained."""
-  trained = restore_params(config, workdir, mesh)
+           mesh: Optional[jax.sharding.Mesh] = None,
+           step: Optional[int] = None) -> Tuple[config_dict.ConfigDict, dict]:
+  """(config, params) of a workdir's checkpoint of `step` (default: the latest) as one
+  model: a LoRA run's adapters merged into the base it started from (its
+  train.init_from at train.init_from_step; lora.rank 0 in the config); on the default
+  device, or laid out on `mesh`. Over a quantized base (QLoRA) the adapters stay beside
+  it, unmerged, as they were trained."""
+  trained = restore_params(config, workdir, mesh, step)
   if not config.lora.rank:
     return config, trained
   base = base_params(config, mesh)

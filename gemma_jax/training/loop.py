@@ -150,6 +150,20 @@ def _anchor_paths(config: config_dict.ConfigDict) -> None:
     d.tokenizer = os.path.abspath(d.tokenizer)
 
 
+def _resumed_base_step(config: config_dict.ConfigDict, workdir: str) -> config_dict.ConfigDict:
+  """The config, given the step of train.init_from that the run in `workdir` started
+  from when it resumes one and none is set: a LoRA run's base must not move."""
+  t = config.train
+  if not (t.init_from and t.init_from_step is None and workdir_lib.is_workdir(workdir)):
+    return config
+  saved = workdir_lib.load_config(workdir).train
+  if saved.init_from != os.path.abspath(t.init_from):
+    return config
+  config = config.copy_and_resolve_references()
+  config.train.init_from_step = saved.init_from_step
+  return config
+
+
 def _frozen_base(config: config_dict.ConfigDict, mesh):
   """The weights LoRA adapts, laid out on `mesh`: train.init_from's."""
   if not config.train.init_from:
@@ -180,7 +194,7 @@ def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -
       written from that step on.
   """
   config_lib.validate(config)
-  config = init_from.resolve(config, model_overrides)
+  config = init_from.resolve(_resumed_base_step(config, workdir), model_overrides)
   with config.unlocked():
     config.data.tokenizer = _tokenizer_name(config)
   _anchor_paths(config)
