@@ -122,7 +122,8 @@ def param_specs(config: config_dict.ConfigDict, sizes: dict) -> dict:
 
   Raises:
     ConfigError (field mesh.<axis>): a sharded dimension is not divisible by its mesh
-      axes; names the parameter and the dimension.
+      axes; names the parameter and the dimension. (A quantized weight's scale stays
+      whole along such a dimension instead.)
   """
   tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
   # Shapes and names only: no mesh, so no sharding constraints even inside activate().
@@ -139,7 +140,11 @@ def param_specs(config: config_dict.ConfigDict, sizes: dict) -> dict:
         continue
       axes = (entry,) if isinstance(entry, str) else tuple(entry)
       ways = math.prod(sizes[a] for a in axes)
-      if length % ways:
+      if length % ways and path[-1].endswith("_scale"):
+        # Grouped int4 scales hold size / group rows where the weight holds size: the
+        # weight splits, its few scales stay whole along that dimension.
+        spec = PartitionSpec(*(None if d == dim else e for d, e in enumerate(spec)))
+      elif length % ways:
         raise ConfigError(f"mesh.{axes[-1]}", f"parameter {'/'.join(path)} dimension {dim} "
                           f"({logical[path][dim]}) has size {length}, which mesh axes "
                           f"{axes} ({ways} ways) do not divide")

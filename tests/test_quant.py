@@ -282,6 +282,24 @@ def test_quantized_parameters_checkpoint_and_shard(tiny, tmp_path):
                              rtol=1e-5, atol=1e-5)
 
 
+def test_int4_scales_the_mesh_does_not_divide_stay_whole_there(tiny):
+  """d_model 128 holds 4 groups of 32: fsdp=8 splits the weights and not their scales'
+  groups (the model was refused, where its float and int8 weights shard)."""
+  config, params, tokens = tiny
+  qconfig, qparams = quant.quantize(config, params, "int4_weights")
+  qconfig.mesh.update(data=1, fsdp=8, tensor=1)
+  mesh = sharding.make_mesh(qconfig.mesh)
+  shardings = sharding.param_shardings(qconfig, mesh)
+  q = shardings["blocks"]["layer_0"]["attn"]["q"]
+  assert "fsdp" in str(q["kernel"].spec) and "fsdp" not in str(q["kernel_scale"].spec)
+  with sharding.activate(mesh):
+    placed = jax.device_put(qparams, shardings)
+    rows = jax.device_put(jnp.tile(tokens, (4, 1)), sharding.batch_sharding(mesh))
+    logits = gj.transform(qconfig).apply(placed, rows)
+  np.testing.assert_allclose(logits[:2], gj.transform(qconfig).apply(qparams, tokens),
+                             rtol=1e-5, atol=1e-5)
+
+
 # Bad input.
 
 @pytest.mark.parametrize("fields,message", [
