@@ -62,6 +62,11 @@ class ModelFlags(NamedTuple):
     if mode in (None, loaded.config.model.quant):
       return loaded
     from gemma_jax import quant   # pylint: disable=import-outside-toplevel
+    if loaded.config.model.quant in quant.STORED_MODES:
+      raise config_lib.ConfigError(
+          "model.quant", f"{self.workdir.value or self.hf_dir.value} holds "
+          f"{loaded.config.model.quant} integer weights (a QLoRA run's base), which "
+          f"--quant={mode} cannot turn back into floats: leave --quant out")
     if mode in quant.STORED_MODES:
       config, params = quant.quantize(loaded.config, loaded.params, mode)
     else:

@@ -3,6 +3,7 @@ packing, straight-through gradients, post-training quantization of whole models
 (scanned, sharded, checkpointed), accuracy on a trained model, and bad input."""
 
 import functools
+import types
 
 import chex
 import flax
@@ -19,7 +20,7 @@ import transformers
 from ml_collections import config_dict
 
 import gemma_jax as gj
-from gemma_jax import lora, quant, sharding
+from gemma_jax import apps, lora, quant, sharding
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.decoder import unstack_layers
 from gemma_jax.inference import decoding as decoding_lib
@@ -301,6 +302,38 @@ def test_int4_scales_the_mesh_does_not_divide_stay_whole_there(tiny):
 
 
 # Bad input.
+
+@pytest.mark.parametrize("preset, where", [("gemma3-tiny", r"attn/q/kernel"),
+                                           ("gemma4-moe-tiny", r"experts/gate")])
+def test_integer_weights_under_a_float_config_are_refused(preset, where):
+  """They read as float weights with their scales ignored (logits off by 1.3, silently)."""
+  config = gj.get_config(preset)
+  config.model.update(num_layers=2, attention_pattern=("local", "global"), sliding_window=8)
+  tokens = jnp.asarray(RNG.integers(0, 512, (1, 8)), jnp.int32)
+  params = gj.transform(config).init(jax.random.key(0), tokens)
+  quantized = flax.traverse_util.flatten_dict(quant.quantize(config, params, "int8_weights")[1])
+  # One weight of the kind `where` names holds its integers, the rest are float.
+  flat = flax.traverse_util.flatten_dict(params)
+  path = min(p for p in flat if "/".join(p).endswith(where))
+  flat[path] = quantized[path]
+  qparams = flax.traverse_util.unflatten_dict(flat)
+  with pytest.raises(ValueError, match=f"{where} holds int8 weights, which run only under the "
+                     r"model.quant they were stored for"):
+    gj.transform(config).apply(qparams, tokens)
+
+
+def test_an_app_refuses_to_run_integer_weights_as_floats(tiny, monkeypatch):
+  """--quant=none on a QLoRA workdir, whose base holds integers."""
+  config, params, _ = tiny
+  qconfig, qparams = quant.quantize(config, params, "int4_weights")
+  monkeypatch.setattr(workdir_lib, "load_model",
+                      lambda **_: workdir_lib.Loaded(qconfig, qparams, None))
+  holder = lambda value: types.SimpleNamespace(value=value)
+  model_flags = apps.ModelFlags(holder("runs/q"), holder(None), holder(None), holder("none"))
+  with pytest.raises(gj.ConfigError, match=r"runs/q holds int4_weights integer weights \(a "
+                     r"QLoRA run's base\), which --quant=none cannot turn back into floats"):
+    model_flags.load()
+
 
 @pytest.mark.parametrize("fields,message", [
     (dict(quant="int2"), "model.quant.*unknown quantization mode 'int2'"),
