@@ -247,6 +247,23 @@ def test_train_order_is_seeded_visits_every_row_each_epoch_and_resumes():
   assert not np.array_equal(other_seed.batch(0)["tokens"], fresh.batch(0)["tokens"])
 
 
+def test_a_resume_with_another_batch_size_goes_on_from_the_next_row():
+  """Six rows taken in batches of 2, resumed in batches of 4: the next batch is rows 6-9
+  of the same sequence (it was 12-15, rows 6-11 skipped). A position saved as batches
+  (before rows) counts batches of the size resumed with."""
+  rows = make_rows()
+  one_by_one = data.TrainBatches(rows, batch_size=1, seed=3, process_index=0, process_count=1)
+  sequence = np.concatenate([one_by_one.batch(j)["tokens"] for j in range(12)])
+  first = data.TrainBatches(rows, batch_size=2, seed=3, process_index=0, process_count=1)
+  for _ in range(3):
+    next(first)
+  resumed = data.TrainBatches(rows, batch_size=4, seed=3, process_index=0, process_count=1)
+  resumed.restore(first.state())
+  np.testing.assert_array_equal(next(resumed)["tokens"], sequence[6:10])
+  resumed.restore({"next_batch": 2, "seed": 3, "rows": len(rows)})
+  np.testing.assert_array_equal(next(resumed)["tokens"], sequence[8:12])
+
+
 def test_processes_read_disjoint_slices_of_the_global_batch():
   rows = make_rows()
   whole = data.TrainBatches(rows, batch_size=4, seed=0, process_index=0, process_count=1)

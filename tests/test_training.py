@@ -377,7 +377,7 @@ def assert_only_checkpoint_is_finite_step_2(config, workdir):
   tx = optimizer.make_optimizer(config.optimizer, lambda _: 1.0)
   like = jax.eval_shape(lambda: steps.init_state(model, tx, 0, 32))
   restored, data_state = checkpointer.restore(like)
-  assert int(restored.step) == 2 and data_state["next_batch"] == 2
+  assert int(restored.step) == 2 and data_state["next_row"] == 2 * config.train.batch_size
   chex.assert_tree_all_finite(restored.params)
 
 

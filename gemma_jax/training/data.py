@@ -287,7 +287,8 @@ class TrainBatches:
 
   The global batch i holds rows i * B ... (i + 1) * B - 1 of the endless sequence
   that visits every row once per epoch, in a permutation seeded by (seed, epoch).
-  `state()` / `restore(state)` save and set the position.
+  `state()` / `restore(state)` save and set the position, as rows taken, so that a run
+  resumed with another batch size goes on from the next row.
   """
 
   def __init__(self, rows: Rows, batch_size: int, seed: int,
@@ -296,7 +297,7 @@ class TrainBatches:
     self.process_index = jax.process_index() if process_index is None else process_index
     self.process_count = jax.process_count() if process_count is None else process_count
     _process_slice(np.arange(batch_size), self.process_index, self.process_count)
-    self.next_batch = 0
+    self.next_row = 0
     self._epoch, self._permutation = None, None
 
   def _row(self, j: int) -> int:
@@ -308,28 +309,34 @@ class TrainBatches:
 
   def batch(self, index: int) -> dict:
     """This process's share [B / processes, T] of global batch `index`."""
-    global_rows = np.arange(index * self.batch_size, (index + 1) * self.batch_size)
+    return self._batch_from(index * self.batch_size)
+
+  def _batch_from(self, start: int) -> dict:
+    """This process's share of the B rows of the endless sequence from `start`."""
+    global_rows = np.arange(start, start + self.batch_size)
     rows = np.array([self._row(j) for j in
                      _process_slice(global_rows, self.process_index, self.process_count)])
     mask = None if self.rows.loss_mask is None else self.rows.loss_mask[rows]
     return make_batch(self.rows.tokens[rows], self.rows.segment_ids[rows], mask)
 
   def state(self) -> dict:
-    return {"next_batch": self.next_batch, "seed": self.seed, "rows": len(self.rows)}
+    return {"next_row": self.next_row, "seed": self.seed, "rows": len(self.rows)}
 
   def restore(self, state: dict) -> None:
     if (state["seed"], state["rows"]) != (self.seed, len(self.rows)):
       logging.warning("the checkpoint's data position was taken with seed %s over %s rows; "
                       "now seed %s over %s rows: batches will differ from the first run",
                       state["seed"], state["rows"], self.seed, len(self.rows))
-    self.next_batch = int(state["next_batch"])
+    # Checkpoints written before positions were rows count batches of this size.
+    self.next_row = int(state["next_row"] if "next_row" in state
+                        else state["next_batch"] * self.batch_size)
 
   def __iter__(self) -> Iterator[dict]:
     return self
 
   def __next__(self) -> dict:
-    batch = self.batch(self.next_batch)
-    self.next_batch += 1
+    batch = self._batch_from(self.next_row)
+    self.next_row += self.batch_size
     return batch
 
 

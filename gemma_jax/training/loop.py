@@ -282,7 +282,7 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
     train_step = jax.jit(
         train_step, in_shardings=(state_shardings, batch_sharding, frozen_shardings),
         out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0,
-    ).lower(state, sharding.global_batch(batches.batch(batches.next_batch), mesh),
+    ).lower(state, sharding.global_batch(batches.batch(0), mesh),
             frozen).compile()
     eval_step = jax.jit(eval_step,
                         in_shardings=(state_shardings.params, batch_sharding, frozen_shardings),
