@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformers
 from absl.testing import parameterized
+from ml_collections import config_dict
 from PIL import Image
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -502,3 +503,34 @@ def test_merge_soft_tokens_is_transformers_masked_scatter():
   got = jax.jit(vision.merge_soft_tokens, static_argnums=3)(
       jnp.asarray(embeddings), jnp.asarray(tokens), jnp.asarray(soft), IMAGE)
   np.testing.assert_array_equal(got, expected)
+
+
+class ShiftInADropoutDraw(nn.Module):
+  """An encoder layer: x [N, 2] -> [x[:, 1], a uniform draw from its dropout stream]."""
+  config: config_dict.ConfigDict
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+  attention_kernel: str
+
+  @nn.compact
+  def __call__(self, x):
+    return jnp.stack([x[:, 1], jax.random.uniform(self.make_rng("dropout"), x.shape[:1])],
+                     -1), None
+
+
+class DrawingEncoder(vision.TowerModule):
+
+  @nn.compact
+  def __call__(self, x):
+    return vision.encoder_layers(self, ShiftInADropoutDraw, x)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_each_encoder_layer_draws_its_own_dropout(scan_layers):
+  """Two layers leave their draws side by side: equal, they would drop the same features
+  in every layer (LoRA's dropout on a vision tower did so with the layers scanned)."""
+  encoder = DrawingEncoder(config_dict.ConfigDict(dict(num_layers=2)), scan_layers=scan_layers)
+  x = jnp.zeros((4, 2))
+  variables = encoder.init({"params": jax.random.key(0), "dropout": jax.random.key(0)}, x)
+  draws = encoder.apply(variables, x, rngs={"dropout": jax.random.key(1)})
+  assert np.all(draws[:, 0] != draws[:, 1])

@@ -94,7 +94,8 @@ def encoder_layers(encoder: "TowerModule", layer_cls: type, x: jax.Array,
                          prevent_cse=not encoder.scan_layers)
   fields = (encoder.config, encoder.dtype, encoder.param_dtype, encoder.attention_kernel)
   if encoder.scan_layers:
-    x, _ = nn.scan(layer_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+    x, _ = nn.scan(layer_cls, variable_axes={"params": 0},
+                   split_rngs={"params": True, "dropout": True},
                    in_axes=(nn.broadcast,) * len(context), length=encoder.config.num_layers,
                    metadata_params={nn.PARTITION_NAME: "layers"})(
                        *fields, name="layers")(x, *context)
