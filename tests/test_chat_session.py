@@ -187,6 +187,20 @@ def test_session_refuses_a_reply_of_no_tokens(max_new_tokens):
   assert session.ids == [] and session.fed_chunks == []
 
 
+def test_a_bad_max_length_is_refused_at_the_start():
+  """0 fell back to the default; past the learned positions it failed at the first turn."""
+  config = small("gemma3-tiny")
+  params = random_params(config)
+  with pytest.raises(ValueError, match="max_length must be an integer >= 1, got 0"):
+    ChatSession(config, params, tokenizers.ByteTokenizer(), max_length=0)
+  gpt3 = gj.get_config("gpt3-52k")
+  gpt3.model.trainable_position_size = gpt3.data.seq_len = 16
+  gpt3_params = gj.transform(gpt3).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  with pytest.raises(ValueError, match=r"within the learned position table "
+                     r"\(config.model.trainable_position_size=16\), got 17"):
+    ChatSession(gpt3, gpt3_params, tokenizers.ByteTokenizer(), max_length=17)
+
+
 def test_a_reply_left_early_keeps_the_conversation_and_the_cache_in_step():
   """The reader stops after the first piece of a reply (a "stop" button): the next turn
   follows the last token sampled, and the session's logits equal the full forward over

@@ -41,7 +41,15 @@ class ChatSession:
                cache_dtype: Optional[str] = None):
     chat.generation_prompt_ids(tokenizer)   # a tokenizer without turn markers fails here
     self.config, self.tokenizer, self.system = config, tokenizer, system
-    self.max_length = max_length or config.model.trainable_position_size or 4096
+    table = config.model.trainable_position_size
+    if max_length is None:
+      max_length = table or 4096
+    if not (isinstance(max_length, int) and 1 <= max_length <= (table or max_length)):
+      raise ValueError(f"max_length must be an integer >= 1"
+                       + (f" within the learned position table "
+                          f"(config.model.trainable_position_size={table})" if table else "")
+                       + f", got {max_length!r}")
+    self.max_length = max_length
     self.cache_dtype = kv_cache.check_dtype(cache_dtype or
                                             decoding_lib.default_cache_dtype(config))
     self.decoding = decoding_lib.make_decoding(config)
