@@ -54,7 +54,7 @@ def main(argv):
       data_config.update(dict(path=_DATA.value, format=_FORMAT.value,
                               text_field=_TEXT_FIELD.value))
       run_seq_len = data_config.seq_len if _MODEL.workdir.value else 1024
-      data_config.seq_len = _SEQ_LEN.value or run_seq_len
+      data_config.seq_len = run_seq_len if _SEQ_LEN.value is None else _SEQ_LEN.value
     config_lib.validate(config)
     figures = evaluate.evaluate(config, params, data.load_all(data_config, tokenizer),
                                 _BATCH_SIZE.value)
