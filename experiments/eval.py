@@ -45,9 +45,12 @@ def table(model: str, data_path: str, figures: dict) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  out = _JSON.value or os.path.join(_MODEL.workdir.value or ".", "eval.json")
   try:
     if _BATCH_SIZE.value < 1:
       raise ValueError(f"--batch_size must be >= 1, got {_BATCH_SIZE.value}")
+    if not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
+      raise ValueError(f"--json: cannot write {out} (no such folder, or not writable)")
     config, params, tokenizer = _MODEL.load()
     data_config = config.data
     with data_config.unlocked():
@@ -61,11 +64,10 @@ def main(argv):
   except (config_lib.ConfigError, ValueError, OSError) as error:   # Data/Workdir/Checkpoint
     sys.exit(f"eval.py: error: {error}")
   model = _MODEL.workdir.value or _MODEL.hf_dir.value
-  out = _JSON.value or os.path.join(_MODEL.workdir.value or ".", "eval.json")
+  print(table(model, _DATA.value, figures))
   with open(out, "w") as f:
     json.dump(dict(figures, model=model, data=_DATA.value, seq_len=data_config.seq_len), f,
               indent=2)
-  print(table(model, _DATA.value, figures))
   print(f"wrote {out}")
 
 

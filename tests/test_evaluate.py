@@ -89,6 +89,8 @@ def test_eval_app_prints_a_table_and_writes_json(trained, tmp_path):
     (["--data=/nowhere/*.jsonl"], "config.data.path: no file matches '/nowhere/*.jsonl'"),
     (["--format=chat", "--data=README.md"], "data.format"),
     (["--data=README.md", "--seq_len=0"], "config.data.seq_len: must be an integer >= 2, got 0"),
+    (["--data=README.md", "--json=/nowhere/eval.json"],
+     "--json: cannot write /nowhere/eval.json (no such folder, or not writable)"),
 ])
 def test_eval_app_bad_data_is_one_error_line(trained, flags, message):
   workdir, _ = trained
