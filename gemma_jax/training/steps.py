@@ -93,7 +93,8 @@ def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
 
   The objective is (sum of cross-entropy + z_loss * sum of log(Z)^2) / (weight of the
   whole batch) + the mean over micro-batches of each auxiliary loss, so accumulating
-  gives the gradient of one large batch.
+  gives the gradient of one large batch. Micro-batch i holds rows i, i + A, i + 2A, ...
+  of the batch (A = grad_accum_steps).
   """
 
   def micro_step(params, micro, rng, total_weight):
@@ -117,9 +118,12 @@ def make_train_step(forward: Forward, optimizer: optax.GradientTransformation,
     updated ones are all finite."""
     rng, step_rng = jax.random.split(state.rng)
     total_weight = jnp.maximum(jnp.sum(batch["weights"], dtype=jnp.float32), 1.0)
+    # Micro-batch i takes rows i, i + A, i + 2A, ... (A = grad_accum_steps): a mesh
+    # splits the batch's rows into contiguous runs, one per device, so each micro-batch
+    # takes an equal share of every device's rows and none moves. Contiguous micro-batches
+    # each lay on a few devices and were spread out again at every micro-step.
     micro_batches = jax.tree.map(
-        lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]),
-        batch)
+        lambda x: x.reshape(-1, grad_accum_steps, *x.shape[1:]).swapaxes(0, 1), batch)
 
     def accumulate(totals, inputs):
       index, micro = inputs
