@@ -16,7 +16,7 @@ import json
 import os
 import socket
 import tempfile
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional
 
 from ml_collections import config_dict
 
@@ -85,6 +85,24 @@ def load_config(workdir: str) -> config_dict.ConfigDict:
     except ValueError as error:
       raise WorkdirError(f"{path}: not JSON ({error})") from None
   return config_from_dict(values, path)
+
+
+def config_changes(before: config_dict.ConfigDict, after: config_dict.ConfigDict) -> List[str]:
+  """Each field whose value differs between two configs: ["optimizer.learning_rate:
+  0.001 -> 0.0002", ...] in field order (tuples and lists alike, as config.json holds
+  them)."""
+  def leaves(values: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in values.items():
+      if isinstance(value, dict):
+        flat.update(leaves(value, f"{prefix}{key}."))
+      else:
+        flat[prefix + key] = value
+    return flat
+
+  old, new = (leaves(json.loads(json.dumps(c.to_dict()))) for c in (before, after))
+  return [f"{name}: {old.get(name)!r} -> {new.get(name)!r}"
+          for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]
 
 
 @contextlib.contextmanager

@@ -405,6 +405,27 @@ def test_resuming_under_another_model_or_optimizer_names_what_differs(corpus, tm
   assert checkpoints.Checkpointer(str(tmp_path / "checkpoints"), 2).all_steps() == (1,)
 
 
+def test_a_resume_names_the_settings_changed_since_the_checkpoint(corpus, tmp_path, capsys):
+  """The checkpoint checks only shapes: a resume with another learning rate and Adam
+  b1 says so, field by field, against the config.json the checkpoint was saved with."""
+  config = tiny_config(corpus)
+  config.train.steps, config.optimizer.warmup_steps = 1, 0
+  config.sample.max_new_tokens = 0
+  loop.train(config, str(tmp_path))
+  capsys.readouterr()
+  changed = config.copy_and_resolve_references()
+  changed.train.steps = 2
+  changed.optimizer.learning_rate *= 0.5
+  changed.optimizer.b1 = 0.8
+  loop.train(changed, str(tmp_path))
+  lines = [line for line in capsys.readouterr().out.splitlines() if "settings changed" in line]
+  assert lines == [
+      "settings changed since the checkpoint's run: "
+      f"optimizer.b1: {config.optimizer.b1!r} -> 0.8; "
+      f"optimizer.learning_rate: {config.optimizer.learning_rate!r} -> "
+      f"{changed.optimizer.learning_rate!r}; train.steps: 1 -> 2"]
+
+
 @pytest.mark.parametrize("section,field,value,name,message", [
     ("optimizer", "learning_rate", -1.0, "optimizer.learning_rate", r"\(0, inf\)"),
     ("optimizer", "grad_accum_steps", 3, "optimizer.grad_accum_steps", "does not divide"),

@@ -65,6 +65,16 @@ def _say(message: str) -> None:
     tqdm.tqdm.write(message)
 
 
+def _say_changes_since_saved(config: config_dict.ConfigDict, workdir: str) -> None:
+  """Names the settings a resumed run changes: the checkpoint checks only shapes, so a
+  new learning rate, sequence length or window would otherwise pass without a word."""
+  if not os.path.isfile(os.path.join(workdir, workdir_lib.CONFIG_FILE)):
+    return
+  changes = workdir_lib.config_changes(workdir_lib.load_config(workdir), config)
+  if changes:
+    _say("settings changed since the checkpoint's run: " + "; ".join(changes))
+
+
 def final_report(eval_loss: float, entropy: float) -> str:
   """The eval loss against the eval split's unigram entropy (both nats/token)."""
   line = f"final eval loss {eval_loss:.4f} nats/token vs eval unigram entropy {entropy:.4f}"
@@ -257,6 +267,7 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
       batches.restore(data_state)
       _say(f"resumed from step {int(state.step)} in {checkpoint_dir}"
            + (" (train.init_from is read only for a new run)" if t.init_from else ""))
+      _say_changes_since_saved(config, workdir)
     elif t.init_from and not config.lora.rank:
       params = init_from.base_params(config, mesh)
       state = jax.jit(lambda params: init()._replace(params=params, opt_state=tx.init(params)),
