@@ -15,7 +15,6 @@ exits cleanly. Start from published or trained weights, with LoRA if wanted:
 A bad config, missing data, a workdir in use or a diverging loss ends with one error line.
 """
 
-import re
 import sys
 
 from absl import app
@@ -36,9 +35,10 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  # Model fields set on the command line: from a checkpoint only compute options may be.
-  overridden = {m.group(1) for m in map(re.compile(r"--config\.model\.(\w+)").match, sys.argv)
-                if m}
+  # Model fields set by flags (--config.model.X, --noconfig.model.X, a --flagfile's):
+  # from a checkpoint only compute options may be.
+  overridden = {path.split(".")[1] for path in config_flags.get_override_values(
+      flags.FLAGS["config"]) if path.startswith("model.")}
   try:
     sharding.maybe_initialize_distributed(_CONFIG.value.mesh)
     loop.train(_CONFIG.value, _WORKDIR.value, model_overrides=overridden)

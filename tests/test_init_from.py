@@ -198,15 +198,25 @@ def test_a_workdir_with_checkpoints_resumes_instead_of_reading_init_from(
   assert "init_from is read only for a new run" in result.stderr + result.stdout
 
 
-def test_train_app_names_a_contradicting_model_flag_in_one_line(hf_checkpoint, tmp_path):
+@pytest.mark.parametrize("flag,message", [
+    ("--config.model.num_layers=5", "config.model.num_layers: 5 contradicts"),
+    ("--noconfig.model.norm_plus_one", "config.model.norm_plus_one: False contradicts"),
+    ("flagfile", "config.model.num_layers: 5 contradicts")])
+def test_train_app_names_a_contradicting_model_flag_in_one_line(hf_checkpoint, tmp_path, flag,
+                                                                message):
+  """However the flag is given (a --no form or a --flagfile's line too, which a match on
+  argv had missed, so the checkpoint's value was taken without a word)."""
   _, path = hf_checkpoint
+  if flag == "flagfile":
+    (tmp_path / "flags.txt").write_text("--config.model.num_layers=5\n")
+    flag = f"--flagfile={tmp_path / 'flags.txt'}"
   result = subprocess.run(
       [sys.executable, "experiments/train.py", "--config=configs/gemma3_tiny.py",
-       f"--workdir={tmp_path}", f"--config.train.init_from={path}",
-       "--config.model.num_layers=5"], cwd=REPO, capture_output=True, text=True, timeout=300)
+       f"--workdir={tmp_path / 'run'}", f"--config.train.init_from={path}", flag],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
   assert result.returncode == 1
   lines = result.stderr.strip().splitlines()
-  assert len(lines) == 1 and "config.model.num_layers: 5 contradicts the checkpoint" in lines[0]
+  assert len(lines) == 1 and f"{message} the checkpoint" in lines[0], lines
 
 
 def test_a_lora_run_keeps_the_step_of_the_workdir_it_adapts(corpus, tmp_path):
