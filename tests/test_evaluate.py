@@ -66,6 +66,34 @@ def test_evaluate_equals_numpy_and_the_training_loops_evaluation(trained):
   np.testing.assert_allclose(figures["perplexity"], np.exp(expected), rtol=1e-5)
 
 
+@pytest.mark.parametrize("batch_size", [64, 5])
+def test_evaluate_pads_fewer_rows_than_it_has_batches(trained, monkeypatch, batch_size):
+  """A batch size past the row count runs the rows alone, and an uneven split spreads
+  them evenly: the same loss as numpy's over the rows, with fewer padding rows than
+  batches (the last batch had been filled up to the batch size)."""
+  workdir, _ = trained
+  config = workdir_lib.load_config(workdir)
+  _, params = init_from.merged(config, workdir)
+  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
+  _, held_out = data.load_splits(config.data, tokenizer, config.seed)
+  n = min(11, len(held_out))
+  held_out = data.Rows(held_out.tokens[:n], held_out.segment_ids[:n],
+                       None if held_out.loss_mask is None else held_out.loss_mask[:n])
+  shapes = []
+  eval_batches = data.eval_batches
+
+  def recording_eval_batches(*args, **kwargs):
+    batches = eval_batches(*args, **kwargs)
+    shapes.extend(batch["tokens"].shape[0] for batch in batches)
+    return batches
+
+  monkeypatch.setattr(data, "eval_batches", recording_eval_batches)
+  figures = evaluate.evaluate(config, params, held_out, batch_size=batch_size, progress=False)
+  np.testing.assert_allclose(figures["loss"], numpy_loss(config, params, held_out)[0],
+                             rtol=1e-5)
+  assert max(shapes) <= batch_size and 0 <= sum(shapes) - n < len(shapes), (n, shapes)
+
+
 def test_eval_app_prints_a_table_and_writes_json(trained, tmp_path):
   workdir, _ = trained
   out = tmp_path / "figures.json"

@@ -19,11 +19,15 @@ from gemma_jax.training import data, steps
 def evaluate(config: config_dict.ConfigDict, params, rows: data.Rows, batch_size: int,
              progress: bool = True) -> Dict[str, float]:
   """{"loss", "perplexity", "tokens" (weighted targets), "rows", "batches"} of the model
-  on every row of `rows`, `batch_size` rows at a time (the last batch padded)."""
+  on every row of `rows`, in as few batches of at most `batch_size` rows as hold them,
+  all of one size (one compilation), so that the last is padded by fewer rows than there
+  are batches (a --batch_size of 64 over 3 rows runs 3 rows, not 64)."""
   if len(rows) == 0:
     raise data.DataError("data.path", "holds no row to evaluate")
   eval_step = jax.jit(steps.make_eval_step(steps.model_forward(transformer.transform(config))))
-  batches = data.eval_batches(rows, batch_size, num_batches=math.ceil(len(rows) / batch_size))
+  num_batches = math.ceil(len(rows) / batch_size)
+  per_process = math.ceil(len(rows) / num_batches / jax.process_count())
+  batches = data.eval_batches(rows, per_process * jax.process_count(), num_batches)
   cross_entropy = weight = 0.0
   for batch in tqdm.tqdm(batches, desc="eval", unit="batch", disable=not progress,
                          dynamic_ncols=True):
