@@ -181,7 +181,13 @@ def _rope(text: dict, layer_type: str, legacy_theta: str) -> Tuple[float, float,
   if kind not in ("default", "linear", "proportional"):
     raise CheckpointError(f"rope_parameters[{layer_type}]: unsupported rope_type {kind!r}")
   scale = float(params.get("factor", 1.0)) if kind != "default" else 1.0
-  fraction = float(params.get("partial_rotary_factor", 1.0)) if kind == "proportional" else 1.0
+  fraction = float(params.get("partial_rotary_factor", 1.0))
+  if fraction != 1.0 and kind != "proportional":
+    # transformers' Gemma rotates whole heads by cos and sin of the fraction's width:
+    # such a checkpoint does not run there, and reading it as whole rotation is wrong.
+    raise CheckpointError(f"rope_parameters[{layer_type}]: partial_rotary_factor "
+                          f"{fraction} with rope_type {kind!r}; only 'proportional' "
+                          "rotates part of a head")
   base = params["rope_theta"] if "rope_theta" in params else text[legacy_theta]
   return float(base), scale, fraction
 

@@ -302,6 +302,18 @@ def test_config_key_without_a_default_is_named():
     gj.hf.config_from_hf(hf)
 
 
+@pytest.mark.parametrize("kind", ["default", "linear"])
+def test_a_partial_rotation_outside_proportional_rope_is_named(kind):
+  """transformers' Gemma cannot run it (cos and sin of part of a head's width against the
+  whole head); it had been read as whole-head rotation."""
+  hf = gj.hf.config_to_hf(gj.get_config("gemma3-tiny"))
+  hf["rope_parameters"]["full_attention"].update(rope_type=kind, factor=8.0,
+                                                 partial_rotary_factor=0.5)
+  with pytest.raises(gj.hf.CheckpointError, match=re.escape(
+      f"rope_parameters[full_attention]: partial_rotary_factor 0.5 with rope_type {kind!r}")):
+    gj.hf.config_from_hf(hf)
+
+
 def test_unknown_layer_type_is_named():
   hf = gj.hf.config_to_hf(gj.get_config("gemma3-tiny"))
   hf["layer_types"] = ["sliding_attention"] * (hf["num_hidden_layers"] - 1) + ["chunked"]
