@@ -771,6 +771,9 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   """
   if os.path.lexists(path) and not os.path.isdir(path):
     raise CheckpointError(f"{path}: exists and is not a directory")
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    raise CheckpointError(f"{path}: holds a training run's checkpoints, whose config.json "
+                          "the export would replace: export to a directory of its own")
   if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
     raise CheckpointError(f"config.model.block_type: transformers has no layout for "
                           f"{config.model.block_type!r}")

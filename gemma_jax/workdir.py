@@ -105,11 +105,30 @@ def config_changes(before: config_dict.ConfigDict, after: config_dict.ConfigDict
           for name in sorted(old.keys() | new.keys()) if old.get(name) != new.get(name)]
 
 
+def _check_not_foreign(workdir: str) -> None:
+  """WorkdirError when WORKDIR/config.json exists and is not a training run's config."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    return
+  try:
+    with open(path) as f:
+      values = json.load(f)
+  except ValueError:
+    values = None
+  if not (isinstance(values, dict) and {"model", "train"} <= values.keys()):
+    raise WorkdirError(f"{os.path.abspath(workdir)} holds a config.json that is not a "
+                       "training run's (a transformers checkpoint?), which the run's config "
+                       "would replace: give --workdir a directory of its own")
+
+
 @contextlib.contextmanager
 def lock(workdir: str):
   """Holds WORKDIR/.lock for one run. A second run on the same workdir is refused with a
   WorkdirError naming the process holding it; the kernel drops the lock when its holder
-  exits, however it exits, so a dead run leaves none behind."""
+  exits, however it exits, so a dead run leaves none behind. A directory whose
+  config.json is not a run's (a transformers checkpoint) is refused before anything is
+  written into it: the run's config would replace that file."""
+  _check_not_foreign(workdir)
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, LOCK_FILE)
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

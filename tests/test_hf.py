@@ -314,6 +314,18 @@ def test_a_partial_rotation_outside_proportional_rope_is_named(kind):
     gj.hf.config_from_hf(hf)
 
 
+def test_save_refuses_a_training_workdir(tmp_path):
+  """Exporting into a workdir replaced its config.json with transformers': the run could
+  then no longer resume, export or sample."""
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "config.json").write_text('{"model": {}, "train": {}}')
+  with pytest.raises(gj.hf.CheckpointError, match=re.escape(
+      f"{tmp_path}: holds a training run's checkpoints")):
+    gj.hf.save(str(tmp_path), gj.get_config("gemma3-tiny"), params={})
+  assert (tmp_path / "config.json").read_text() == '{"model": {}, "train": {}}'
+  assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.json"]
+
+
 def test_unknown_layer_type_is_named():
   hf = gj.hf.config_to_hf(gj.get_config("gemma3-tiny"))
   hf["layer_types"] = ["sliding_attention"] * (hf["num_hidden_layers"] - 1) + ["chunked"]

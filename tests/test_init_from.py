@@ -3,6 +3,8 @@ config, its lock."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -169,6 +171,25 @@ def test_a_model_flag_contradicting_the_checkpoint_is_named(hf_checkpoint, corpu
   config.model.dtype = "bfloat16"
   resolved = init_from.resolve(config, {"dtype"})
   assert (resolved.model.d_model, resolved.model.dtype) == (32, "bfloat16")
+
+
+@pytest.mark.parametrize("from_itself", [False, True])
+def test_a_transformers_directory_is_refused_as_a_workdir(hf_checkpoint, corpus, tmp_path,
+                                                          from_itself):
+  """Its config.json would be replaced by the run's (the checkpoint no longer loads), and a
+  start from itself failed after making checkpoints/ there, after which init_from took
+  it for a workdir. Refused before anything is written; a copy is used so the shared
+  fixture stays whole."""
+  _, path = hf_checkpoint
+  copy = tmp_path / "hf"
+  shutil.copytree(path, copy)
+  before = {name: (copy / name).read_bytes() for name in os.listdir(copy)}
+  config = run_config(corpus, init_from=str(copy) if from_itself else None)
+  with pytest.raises(workdir_lib.WorkdirError, match=re.escape(
+      f"{copy} holds a config.json that is not a training run's")):
+    loop.train(config, str(copy))
+  assert {name: (copy / name).read_bytes() for name in os.listdir(copy)} == before
+  gj.hf.load(str(copy))
 
 
 def test_init_from_a_path_that_is_no_checkpoint_is_one_error(corpus, tmp_path):
