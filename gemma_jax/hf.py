@@ -743,6 +743,11 @@ _REPLACED = re.compile(r"config\.json|.*\.safetensors(\.index\.json)?|"
                        r"pytorch_model.*\.bin(\.index\.json)?")
 
 
+# A tokenizer's files, as transformers' tokenizers save them.
+_TOKENIZER = re.compile(r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|"
+                        r"added_tokens\.json")
+
+
 def _link_or_copy(src: str, dst: str) -> None:
   """Hard-links `src` at `dst`; copies it (synced) where a link cannot be made."""
   try:
@@ -766,14 +771,24 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   The directory is written and synced to disk next to `path`, then moved into place
   (`_move_into_place`), so an existing checkpoint at `path` is only replaced by a whole
   one. Files already in `path` (tokenizer, README, ...) are kept, except the files it
-  writes and weight files (*.safetensors, their index, pytorch_model*.bin). A symlink to a
-  directory is followed.
+  writes, weight files (*.safetensors, their index, pytorch_model*.bin) and, when
+  `write_extra` writes a tokenizer, the old tokenizer's files. A symlink to a directory
+  is followed. A `path` that holds a training run's checkpoints, or folders and no
+  config.json, is refused.
   """
   if os.path.lexists(path) and not os.path.isdir(path):
     raise CheckpointError(f"{path}: exists and is not a directory")
   if os.path.isdir(os.path.join(path, "checkpoints")):
     raise CheckpointError(f"{path}: holds a training run's checkpoints, whose config.json "
                           "the export would replace: export to a directory of its own")
+  folders = sorted(entry.name for entry in os.scandir(path) if entry.is_dir()) if (
+      os.path.isdir(path)) else []
+  if folders and not os.path.isfile(os.path.join(path, "config.json")):
+    # The directory is replaced whole (copied, swapped, removed): a run writing in one
+    # of those folders (runs/ holding workdirs) would lose its files under it.
+    raise CheckpointError(f"{path}: holds folders ({', '.join(folders[:3])}) and no "
+                          "config.json, so it is no transformers checkpoint: export to a new "
+                          "directory or over an earlier export")
   if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
     raise CheckpointError(f"config.model.block_type: transformers has no layout for "
                           f"{config.model.block_type!r}")
@@ -805,11 +820,14 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
     if write_extra is not None:
       write_extra(staging)
     written = set(os.listdir(staging))
+    # A new tokenizer replaces the old one's files whatever their names: transformers
+    # prefers tokenizer.json, so an old one beside a new tokenizer.model would win.
+    replaced = [_REPLACED] + [_TOKENIZER] * any(map(_TOKENIZER.fullmatch, written))
     if os.path.isdir(path):
       shutil.copytree(path, staging, symlinks=True, copy_function=_link_or_copy,
                       dirs_exist_ok=True, ignore=lambda folder, names: [
                           n for n in names if folder == path and (
-                              _REPLACED.fullmatch(n) or n in written)])
+                              any(r.fullmatch(n) for r in replaced) or n in written)])
     for folder, _, _ in os.walk(staging):
       _fsync(folder)
     _move_into_place(staging, path)

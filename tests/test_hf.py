@@ -603,6 +603,36 @@ def test_new_checkpoint_directory_gets_the_mode_of_any_new_directory(tmp_path, t
   assert os.stat(tmp_path / "out").st_mode & 0o777 == 0o755
 
 
+def test_save_refuses_a_folder_of_other_things(tmp_path, two_layers):
+  """`--out=runs` beside the workdirs in it: the directory is replaced whole, so a run
+  writing in runs/live lost its files under it. Refused before anything is written."""
+  config, params = two_layers
+  (tmp_path / "runs" / "live").mkdir(parents=True)
+  (tmp_path / "runs" / "live" / "metrics.jsonl").write_text("{}\n")
+  with pytest.raises(gj.hf.CheckpointError, match=re.escape(
+      f"{tmp_path / 'runs'}: holds folders (live) and no config.json")):
+    gj.hf.save(str(tmp_path / "runs"), config, params)
+  assert os.listdir(tmp_path / "runs") == ["live"] and os.listdir(tmp_path) == ["runs"]
+
+
+def test_a_new_tokenizer_replaces_every_file_of_the_old_one(tmp_path, two_layers):
+  """An export with a SentencePiece tokenizer over one with a tokenizer.json: the old
+  tokenizer.json had stayed, and transformers (and load_model) read it instead."""
+  config, params = two_layers
+  out = tmp_path / "out"
+
+  def writer(**files):
+    return lambda directory: [open(os.path.join(directory, name), "w").write(text)
+                              for name, text in files.items()]
+
+  gj.hf.save(str(out), config, params, write_extra=writer(
+      **{"tokenizer.json": "{}", "tokenizer_config.json": "{}"}))
+  (out / "README.md").write_text("kept")
+  gj.hf.save(str(out), config, params, write_extra=writer(**{"tokenizer.model": "sp"}))
+  assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors",
+                                     "tokenizer.model"]
+
+
 def test_save_through_a_symlink_writes_into_its_directory(tmp_path, two_layers):
   config, params = two_layers
   (tmp_path / "real").mkdir()
