@@ -18,7 +18,7 @@ then tokenize) or on token ids (`insert_image_placeholders`).
 
 import math
 import os
-from typing import Any, Callable, Mapping, NamedTuple, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -270,23 +270,39 @@ def with_markers(row: np.ndarray, count: int, marker_id: int, prompt: int,
   return row
 
 
+def newline_runs(encode: Callable[[Sequence[str]], list],
+                 double_newline_id: int) -> Union[int, Dict[int, int]]:
+  """{run length: id} of the newline runs ("\\n" * k) a tokenizer holds as one token
+  each, for `insert_image_placeholders`; `double_newline_id` alone where "\\n\\n" is
+  not that id's single token (a byte tokenizer: no run merges). encode: texts -> ids."""
+  runs = {k: ids[0] for k, ids in enumerate(encode(["\n" * k for k in range(1, 33)]), 1)
+          if len(ids) == 1}
+  return runs if runs.get(2) == double_newline_id else double_newline_id
+
+
 def prompts_with_images(rows: Sequence[np.ndarray], images: Sequence[Sequence],
-                        vision: Any) -> Tuple[list, np.ndarray]:
+                        vision: Any, encode: Optional[Callable] = None
+                        ) -> Tuple[list, np.ndarray]:
   """Prompt ids [BOS, ...] per row and images per row (files, PIL images or arrays) ->
   (rows with each start-of-image marker expanded into its span, pixels [B, I, S, S, C]
   padded with zeros). `vision` is the config's vision section. A row without markers
   gets one per image after its BOS; otherwise markers and images must match one to one.
+  `encode` (the tokenizer's: texts -> ids) gives the newline runs that merge with a
+  span's newlines, as Gemma3Processor's tokenizing merges them (the chat template's
+  "user\\n<start_of_image>"); without it none merge.
 
   Raises:
     ValueError naming the prompt whose markers and images differ.
   """
+  newlines = (vision.double_newline_token_id if encode is None
+              else newline_runs(encode, vision.double_newline_token_id))
   expanded = []
   for b, (row, row_images) in enumerate(zip(rows, images)):
     row = with_markers(row, len(row_images), vision.boi_token_id, b, "boi_token_id")
     expanded.append(np.asarray(insert_image_placeholders(
         row, boi_token_id=vision.boi_token_id, eoi_token_id=vision.eoi_token_id,
         image_token_id=vision.image_token_id, tokens_per_image=vision.tokens_per_image,
-        newline_ids=vision.double_newline_token_id), np.int32))
+        newline_ids=newlines), np.int32))
   most = max([1] + [len(row_images) for row_images in images])
   pixels = np.zeros((len(rows), most, vision.image_size, vision.image_size,
                      vision.num_channels), np.float32)

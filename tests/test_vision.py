@@ -30,6 +30,8 @@ from gemma_jax import remat
 from gemma_jax import safetensors_io
 from gemma_jax.config import ConfigError, vision_config
 from gemma_jax.layers.attention import Attention
+from gemma_jax.models import towers
+from gemma_jax.training import tokenizers
 from gemma_jax.models import vision
 
 TEXT_WIDTH = 48
@@ -476,6 +478,28 @@ def test_placeholders_match_gemma3_processor(prompt):
   blocks = modeling_gemma3.get_block_sequence_ids_for_mask(token_type_ids).numpy()
   spans = np.asarray(vision.image_span_ids(jnp.asarray([ids]), tok.image_token_id))
   np.testing.assert_array_equal(spans, blocks + 1)
+
+
+@pytest.mark.parametrize("prompt", [p for p in PROMPTS if "<start_of_image>" in p])
+def test_sampler_prompts_match_gemma3_processor(tmp_path, prompt):
+  """What `Sampler.sample(prompts, images=...)` builds (our tokenizer's ids, then
+  `towers.prompts_with_images` with its encode) equals the processor's ids, newline runs
+  next to a marker merged (the chat template's "user\\n<start_of_image>": the runs had
+  stayed two tokens)."""
+  processor = tiny_processor()
+  tok = processor.tokenizer
+  tok.save_pretrained(str(tmp_path))
+  ours = tokenizers.get_tokenizer(str(tmp_path), len(tok))
+  count = prompt.count("<start_of_image>")
+  images = [generated_image(30, 30)] * count
+  expected = processor(text=[prompt], images=[images], return_tensors="np")["input_ids"][0]
+  config = gj.get_config("gemma3-tiny-vision")
+  config.model.vision.update(boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id,
+                             image_token_id=tok.image_token_id, tokens_per_image=3,
+                             double_newline_token_id=NEWLINES[2], image_size=28)
+  row = np.concatenate([[ours.bos_id], ours.encode([prompt])[0]])
+  rows, _ = towers.prompts_with_images([row], [images], config.model, ours.encode)
+  assert rows[0].tolist() == [ours.bos_id] + expected.tolist()   # this tokenizer adds none
 
 
 def test_placeholders_without_newline_runs_use_double_newline_id():

@@ -169,7 +169,7 @@ class Sampler:
     rows = [np.concatenate([[t.bos_id], ids]) for ids in t.encode(list(prompts))]
     pixels = None
     if images is not None:
-      rows, pixels = towers.prompts_with_images(rows, images, self.config.model)
+      rows, pixels = towers.prompts_with_images(rows, images, self.config.model, t.encode)
     lengths = np.asarray([len(row) for row in rows], np.int32)
     tokens = np.full((len(rows), lengths.max()), t.pad_id, np.int32)
     for b, row in enumerate(rows):

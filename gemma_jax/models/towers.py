@@ -5,7 +5,7 @@ gemma_jax.image_inputs) or Gemma 4's (gemma_jax/models/gemma4_vision.py; images 
 prefill and the Sampler go through here, never to one family directly.
 """
 
-from typing import Any, Callable, NamedTuple, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -27,7 +27,8 @@ class _Tower(NamedTuple):
   # (embeddings, tokens, tower output, vision section) -> embeddings with soft tokens
   merge: Callable[..., jax.Array]
   check: Callable[..., None]          # (tokens, images or None, vision section)
-  # (prompt rows, images per row, vision section) -> (rows with spans, model images)
+  # (prompt rows, images per row, vision section, the tokenizer's encode or None) ->
+  # (rows with spans, model images)
   prompts: Callable[..., Tuple[list, Any]]
 
 
@@ -50,7 +51,9 @@ _TOWERS = {
         merge=lambda x, tokens, out, v: gemma4_vision.merge_soft_tokens(
             x, tokens, *out, v.image_token_id),
         check=gemma4_vision.check_image_inputs,
-        prompts=gemma4_images.prompts_with_images),
+        # Gemma 4's spans hold no newlines to merge: the tokenizer is not needed.
+        prompts=lambda rows, images, v, encode: gemma4_images.prompts_with_images(
+            rows, images, v)),
 }
 
 
@@ -93,13 +96,15 @@ def check_image_inputs(tokens: Any, images: Any, model: config_dict.ConfigDict) 
 
 
 def prompts_with_images(rows: Sequence[np.ndarray], images: Sequence[Sequence],
-                        model: config_dict.ConfigDict) -> Tuple[list, Any]:
+                        model: config_dict.ConfigDict, encode: Optional[Callable] = None
+                        ) -> Tuple[list, Any]:
   """Prompt ids [BOS, ...] per row and images per row -> (rows with each image's span,
-  the model's `images`); see the family's `prompts_with_images`."""
+  the model's `images`); see the family's `prompts_with_images`. `encode`: the
+  tokenizer's (texts -> ids), for the ids transformers' processor gives."""
   if not model.vision.enabled:
     raise ValueError("images were given to a model without vision "
                      "(config.model.vision.enabled is False)")
   if len(images) != len(rows):
     raise ValueError(f"images must hold one list per prompt: {len(rows)} prompts, got "
                      f"{len(images)} lists")
-  return _TOWERS[model.block_type].prompts(rows, images, model.vision)
+  return _TOWERS[model.block_type].prompts(rows, images, model.vision, encode)
