@@ -270,6 +270,22 @@ def test_bad_image_inputs_are_named():
         patches.patches[..., :47], patches.positions))
   with pytest.raises(ValueError, match="prompt 0 holds 1 image markers"):
     tiny_prompts(config, [[2, image, 7]], [[picture, picture]])
+  # Values the tower would embed silently: unscaled pixels, NaN, positions that are no
+  # integers or lie past the table (they had given garbage, or an error from inside).
+  size = config.model.vision.position_embedding_size
+  patches = jax.tree.map(jnp.asarray, patches)
+  for bad, message in [
+      (patches._replace(patches=patches.patches * 255), r"images.patches row 0, image 0 "
+       r"holds values in \[0, 2\d\d\], where \[0, 1\] is expected"),
+      (patches._replace(patches=patches.patches.at[0, 0, 0, 0].set(jnp.nan)),
+       r"holds values in \[0, 1\] and NaN or inf"),
+      (patches._replace(positions=patches.positions.astype(jnp.float32)),
+       "images.positions must hold integer columns and rows, got dtype float32"),
+      (patches._replace(positions=patches.positions.at[0, 0, 0, 0].set(size)),
+       rf"images.positions row 0, image 0 holds values in \[-?\d, {size}\], where \[-1, "
+       rf"{size - 1}\] is expected")]:
+    with pytest.raises(ValueError, match=message):
+      model.apply(params, tokens, images=bad)
 
 
 def test_config_fields_of_the_tower_are_checked():

@@ -15,6 +15,7 @@ import transformers
 
 import gemma_jax as gj
 from gemma_jax import decoder
+from gemma_jax import gemma4_images
 from gemma_jax.models import vision
 from gemma_jax.training import steps
 
@@ -156,6 +157,15 @@ def test_bad_image_inputs_are_named():
   with pytest.raises(ValueError, match="span 0 holds 3 image_token_id ids, not "
                      "tokens_per_image=4"):
     model.apply(params, tokens.at[0, 2].set(5), images=pixels)
+  # Unscaled or NaN pixels, and inputs of another type (they had given garbage logits,
+  # or an AttributeError from inside).
+  for bad, message in [(pixels + 200.0, r"images row 0, image 0 holds values in \[200, 200\], "
+                        r"where \[-1, 1\] is expected"),
+                       (pixels.at[0, 0, 3].set(jnp.nan), r"holds values in \[0, 0\] and NaN"),
+                       ([np.zeros((1, 56, 56, 3))], "pixels .* got list"),
+                       (gemma4_images.ImagePatches(pixels, pixels), "got ImagePatches")]:
+    with pytest.raises(ValueError, match=message):
+      model.apply(params, tokens, images=bad)
   text_only = gj.transform(gj.get_config("gemma3-tiny"))
   with pytest.raises(ValueError, match="vision.enabled is False"):
     text_only.apply(text_only.init(jax.random.key(0), tokens), tokens % 500, images=pixels)
@@ -168,7 +178,7 @@ def test_default_targets_skip_image_placeholders():
   v = config.model.vision
   span = [v.boi_token_id] + [v.image_token_id] * 4 + [v.eoi_token_id]
   tokens = np.array([[1, 5] + span + [9, 7, 3], [2] + span + [8, 6, 4, 11]], np.int32)
-  images = np.random.RandomState(0).normal(0, 0.5, (2, 1, 56, 56, 3)).astype(np.float32)
+  images = np.random.RandomState(0).uniform(-1, 1, (2, 1, 56, 56, 3)).astype(np.float32)
   targets = np.concatenate([tokens[:, 1:], np.full((2, 1), -100)], axis=1)
   targets[targets == v.image_token_id] = -100
   got = model.loss(params, jnp.asarray(tokens), images=jnp.asarray(images))

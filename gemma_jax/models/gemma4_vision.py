@@ -292,7 +292,8 @@ def merge_soft_tokens(embeddings: jax.Array, tokens: jax.Array, soft_tokens: jax
 
 def check_image_inputs(tokens, images: ImagePatches, config: config_dict.ConfigDict) -> None:
   """Raises ValueError naming what is wrong with `images` (patches [B, I, P, 3 p^2],
-  positions [B, I, P, 2]) for tokens [B, T]: the type or a shape, or (when the ids and
+  positions [B, I, P, 2]) for tokens [B, T]: the type, a shape or dtype, patches outside
+  [0, 1] or positions outside the table (when concrete), or (when the ids and
   positions are concrete) a placeholder span whose length is not its image's soft-token
   count, a row with more spans than images, or an image with no span. `config` is the
   vision section."""
@@ -313,6 +314,15 @@ def check_image_inputs(tokens, images: ImagePatches, config: config_dict.ConfigD
     if not jnp.issubdtype(patches.dtype, jnp.floating):
       raise ValueError(f"images.patches must hold float pixels in [0, 1], got dtype "
                        f"{patches.dtype}")
+    if not jnp.issubdtype(positions.dtype, jnp.integer):
+      raise ValueError(f"images.positions must hold integer columns and rows, got dtype "
+                       f"{positions.dtype}")
+    vision.check_value_range(patches, 0.0, 1.0, "images.patches",
+                             "gemma4_images.preprocess_images maps 0..255 to [0, 1]")
+    vision.check_value_range(positions, -1, config.position_embedding_size - 1,
+                             "images.positions", "-1 marks padding; the position table "
+                             f"holds config.model.vision.position_embedding_size="
+                             f"{config.position_embedding_size} columns and rows")
   if any(isinstance(a, jax.core.Tracer) for a in (tokens,) + tuple(images or ())):
     return
   spans = np.asarray(vision.image_span_ids(jnp.asarray(tokens), config.image_token_id))

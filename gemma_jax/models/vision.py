@@ -237,13 +237,35 @@ def merge_soft_tokens(embeddings: jax.Array, tokens: jax.Array, soft_tokens: jax
   return jnp.where(is_image[..., None], gathered.astype(embeddings.dtype), embeddings)
 
 
+def check_value_range(values: Any, low: float, high: float, name: str, hint: str) -> None:
+  """ValueError naming the first row and image of concrete `values` [B, I, ...] that hold
+  a value that is not finite or lies outside [low, high] (by more than rounding); nothing
+  for traced values."""
+  if isinstance(values, jax.core.Tracer):
+    return
+  v = np.asarray(values, np.float32)
+  bad = ~np.isfinite(v) | (v < low - 1e-3) | (v > high + 1e-3)
+  if bad.any():
+    row, image = np.argwhere(bad.reshape(v.shape[0], v.shape[1], -1).any(-1))[0]
+    held = v[row, image]
+    finite = held[np.isfinite(held)]
+    found = " and ".join(([f"values in [{finite.min():g}, {finite.max():g}]"] if finite.size
+                          else []) + (["NaN or inf"] if finite.size < held.size else []))
+    raise ValueError(f"{name} row {row}, image {image} holds {found}, where [{low:g}, "
+                     f"{high:g}] is expected: {hint}")
+
+
 def check_image_inputs(tokens: Any, images: Any, config: config_dict.ConfigDict) -> None:
   """Raises ValueError naming what is wrong with images [B, I, S, S, C] for tokens [B, T]:
-  the shape, or (when the ids are concrete) a placeholder span of the wrong length or a
+  the type, the shape, pixels outside [-1, 1] (when concrete), or (when the ids are
+  concrete) a placeholder span of the wrong length or a
   row with more spans than images. `config` is the vision section (of a model with
   vision: `towers.check_image_inputs` checks that)."""
   b = tokens.shape[0]
   if images is not None:
+    if isinstance(images, tuple) or not hasattr(images, "ndim"):
+      raise ValueError(f"images of a Gemma 3 model are pixels [B, I, S, S, C] (gemma_jax."
+                       f"image_inputs.preprocess_images), got {type(images).__name__}")
     expected = (b, None, config.image_size, config.image_size, config.num_channels)
     if images.ndim != 5 or any(e not in (None, g) for e, g in zip(expected, images.shape)):
       raise ValueError(f"images must be [batch={b}, images, {config.image_size}, "
@@ -251,6 +273,8 @@ def check_image_inputs(tokens: Any, images: Any, config: config_dict.ConfigDict)
     if not jnp.issubdtype(images.dtype, jnp.floating):
       raise ValueError(f"images must hold float pixels (gemma_jax.image_inputs), got dtype "
                        f"{images.dtype}")
+    check_value_range(images, -1.0, 1.0, "images",
+                      "gemma_jax.image_inputs.preprocess_images maps 0..255 to [-1, 1]")
   if isinstance(tokens, jax.core.Tracer):
     return
   spans = np.asarray(image_span_ids(jnp.asarray(tokens), config.image_token_id))
