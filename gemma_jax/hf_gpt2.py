@@ -88,6 +88,9 @@ def config_to_hf(config: config_dict.ConfigDict) -> dict:
   """Our GPT-3 config -> a `GPT2LMHeadModel` config.json dict; CheckpointError naming the
   first model field GPT-2 cannot represent."""
   m = config.model
+  if m.d_model % m.num_heads:
+    raise CheckpointError(f"config.model.num_heads: GPT2LMHeadModel splits d_model="
+                          f"{m.d_model} into equal heads, which {m.num_heads} do not")
   needs = _FIXED_FIELDS + (("head_dim", m.d_model // m.num_heads),)
   for field, value in needs:
     if m[field] != value:

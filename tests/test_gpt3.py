@@ -176,11 +176,16 @@ def test_save_round_trip_through_transformers(checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("field,value", [("fused_qkv", False), ("use_post_ffw_norm", True),
-                                         ("scale_embeddings", True), ("head_dim", 4)])
+                                         ("scale_embeddings", True), ("head_dim", 4),
+                                         ("num_heads", 3)])
 def test_save_names_a_field_gpt2_cannot_represent(tmp_path, field, value):
-  """The config is checked before any parameter is read or anything written."""
+  """The config is checked before any parameter is read or anything written. Three heads
+  of d_model // 3 do not fill d_model: such a save had written a checkpoint neither
+  transformers nor hf.load reads."""
   config = gj.get_config("gpt3-52k")
   config.model[field] = value
+  if field == "num_heads":
+    config.model.update(num_kv_heads=value, head_dim=config.model.d_model // value)
   with pytest.raises(gj.hf.CheckpointError, match=f"config.model.{field}: GPT2LMHeadModel"):
     gj.hf.save(str(tmp_path / "out"), config, params={})
   assert not os.listdir(tmp_path)
