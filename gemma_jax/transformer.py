@@ -86,9 +86,14 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
     return modules.decoder(config, deterministic)
 
   def inputs(tokens, positions, segment_ids):
+    # Lists and numpy arrays as well as jax arrays (tracers pass through).
+    tokens, positions, segment_ids = (None if a is None else jnp.asarray(a)
+                                      for a in (tokens, positions, segment_ids))
     _check_tokens(tokens, model_config.vocab_size)
-    _check_same_shape(tokens, positions, "positions")
-    _check_same_shape(tokens, segment_ids, "segment_ids")
+    for name, value in (("positions", positions), ("segment_ids", segment_ids)):
+      _check_same_shape(tokens, value, name)
+      if value is not None and not jnp.issubdtype(value.dtype, jnp.integer):
+        raise ValueError(f"{name} must hold integers, got dtype {value.dtype}")
     if positions is None and segment_ids is None:   # 0..T-1: known from the shape alone
       _check_positions(np.arange(tokens.shape[1]), model_config.trainable_position_size)
     if positions is None:
@@ -180,7 +185,7 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
         maps "activation_mean/layer_{i}" (and _stdev, _fraction_zero) to scalars.
     """
     checked = inputs(tokens, positions, segment_ids)
-    towers.check_image_inputs(tokens, images, model_config)
+    towers.check_image_inputs(checked[0], images, model_config)
     return _apply(params, *checked, images, rng, return_aux)
 
   def loss(params: dict, tokens: jax.Array, targets: Optional[jax.Array] = None, *,
@@ -215,6 +220,7 @@ def transform(config: config_dict.ConfigDict) -> Transformed:
       The others: as `apply`'s.
     """
     checked = inputs(tokens, positions, segment_ids)
+    tokens = checked[0]
     if targets is not None:
       _check_same_shape(tokens, targets, "targets")
       concrete = not isinstance(targets, jax.core.Tracer)   # negative ids: ignored

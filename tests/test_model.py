@@ -175,6 +175,14 @@ class InputsTest(chex.TestCase):
       model.apply(params, toks[0])
     with pytest.raises(ValueError, match="segment_ids must have the shape"):
       model.apply(params, toks, segment_ids=jnp.ones((2, 5), jnp.int32))
+    # Float positions or segment ids are named (they had failed inside an embedding
+    # lookup, or been compared as floats); nested lists are read as arrays (they had
+    # raised AttributeError).
+    for name in ("positions", "segment_ids"):
+      with pytest.raises(ValueError, match=f"{name} must hold integers, got dtype float32"):
+        model.apply(params, toks, **{name: jnp.ones(toks.shape, jnp.float32)})
+    np.testing.assert_array_equal(model.apply(params, np.asarray(toks).tolist()),
+                                  model.apply(params, toks))
 
 
 def test_positions_past_the_learned_table_raise_named_errors():
