@@ -184,6 +184,10 @@ class MarkerTokenizer(tokenizers.ByteTokenizer):
     (["<img>a"], [["x", "x"]], r"prompt 0 holds 1 image markers .* but 2 images"),
     (["a", "<img>b"], [["x"], []], r"prompt 1 holds 1 image markers .* but 0 images"),
     (["<soft>a"], [["x"]], r"tokens row 0 holds 2 image placeholder spans but 1 images"),
+    # One image not wrapped in its prompt's list (a file name had been read letter by
+    # letter, an array failed in numpy's truth test).
+    (["a"], ["x"], r"images\[0\] must be a list of prompt 0's images, got ndarray"),
+    (["a"], ["cat.png"], r"images\[0\] must be a list of prompt 0's images, got str"),
 ])
 def test_sampler_refuses_images_that_do_not_match_the_markers(prompts, images, message):
   """Each image fills one marker: extra images, extra markers, a marker without images or
@@ -194,7 +198,8 @@ def test_sampler_refuses_images_that_do_not_match_the_markers(prompts, images, m
   v = config.model.vision
   params = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
   picture = np.zeros((v.image_size, v.image_size, 3), np.uint8)
-  images = [[picture for _ in row] for row in images]
+  images = [row if row == "cat.png" else picture if row == "x" else [picture for _ in row]
+            for row in images]
   sample = sampler.Sampler(config, params, MarkerTokenizer(v)).sample
   with pytest.raises(ValueError, match=message):
     sample(prompts, max_new_tokens=2, images=images)

@@ -107,4 +107,8 @@ def prompts_with_images(rows: Sequence[np.ndarray], images: Sequence[Sequence],
   if len(images) != len(rows):
     raise ValueError(f"images must hold one list per prompt: {len(rows)} prompts, got "
                      f"{len(images)} lists")
+  for b, row_images in enumerate(images):
+    if not isinstance(row_images, (list, tuple)):   # an image itself: [img], not [[img]]
+      raise ValueError(f"images[{b}] must be a list of prompt {b}'s images, got "
+                       f"{type(row_images).__name__}")
   return _TOWERS[model.block_type].prompts(rows, images, model.vision, encode)
