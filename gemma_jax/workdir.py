@@ -61,9 +61,14 @@ def _update(target: config_dict.ConfigDict, values: dict, where: str) -> None:
     if key not in target:
       raise WorkdirError(f"{where}: config field {key!r} is not in this version's schema")
     if isinstance(target[key], config_dict.ConfigDict):
+      if not isinstance(value, dict):
+        raise WorkdirError(f"{where}: config field {key!r} is a section, got {value!r}")
       _update(target[key], value, f"{where}.{key}")
-    else:
+      continue
+    try:
       target[key] = tuple(value) if isinstance(target[key], tuple) else value
+    except (TypeError, ValueError) as error:   # the schema's type, e.g. "2" for an int
+      raise WorkdirError(f"{where}: config field {key!r}: {error}") from None
 
 
 def config_from_dict(values: dict, where: str = "config") -> config_dict.ConfigDict:
@@ -108,7 +113,7 @@ def config_changes(before: config_dict.ConfigDict, after: config_dict.ConfigDict
 def _check_not_foreign(workdir: str) -> None:
   """WorkdirError when WORKDIR/config.json exists and is not a training run's config."""
   path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.isfile(path):
+  if not os.path.isfile(path) or is_workdir(workdir):   # a run's, if damaged: resume reads
     return
   try:
     with open(path) as f:

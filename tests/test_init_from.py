@@ -69,6 +69,22 @@ def test_config_round_trips_through_the_workdir(tmp_path):
     workdir_lib.load_config(str(tmp_path))
 
 
+@pytest.mark.parametrize("edit,message", [
+    (lambda c: c["train"].update(steps="2"), r"config\.json\.train: config field 'steps': "),
+    (lambda c: c["model"].update(num_layers=2.5), r"config\.json\.model: config field "
+     r"'num_layers': "),
+    (lambda c: c.update(lora=None), r"config\.json: config field 'lora' is a section, got None")])
+def test_a_config_file_edited_with_a_wrong_type_is_one_error(tmp_path, edit, message):
+  """A value of the wrong type, or a section replaced by a value, had ended in a raw
+  TypeError or AttributeError from ml_collections."""
+  workdir_lib.save_config(str(tmp_path), gj.get_config("gemma3-tiny"))
+  saved = json.loads((tmp_path / "config.json").read_text())
+  edit(saved)
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  with pytest.raises(workdir_lib.WorkdirError, match=message):
+    workdir_lib.load_config(str(tmp_path))
+
+
 _HOLD = """
 import sys, time
 from gemma_jax import workdir

@@ -424,6 +424,12 @@ def test_a_resume_names_the_settings_changed_since_the_checkpoint(corpus, tmp_pa
       f"optimizer.b1: {config.optimizer.b1!r} -> 0.8; "
       f"optimizer.learning_rate: {config.optimizer.learning_rate!r} -> "
       f"{changed.optimizer.learning_rate!r}; train.steps: 1 -> 2"]
+  # An unreadable saved config (edited by hand) does not stop the resume, which writes
+  # its own: the changes are said to be unknown.
+  (tmp_path / "config.json").write_text('{"train": {"steps": "2"}}')
+  changed.train.steps = 3
+  assert loop.train(changed, str(tmp_path))["step"] == 3
+  assert "the saved config is unreadable" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("section,field,value,name,message", [

@@ -70,7 +70,12 @@ def _say_changes_since_saved(config: config_dict.ConfigDict, workdir: str) -> No
   new learning rate, sequence length or window would otherwise pass without a word."""
   if not os.path.isfile(os.path.join(workdir, workdir_lib.CONFIG_FILE)):
     return
-  changes = workdir_lib.config_changes(workdir_lib.load_config(workdir), config)
+  try:
+    saved = workdir_lib.load_config(workdir)
+  except workdir_lib.WorkdirError as error:   # the run writes its own config next
+    _say(f"the saved config is unreadable, so its changes are unknown: {error}")
+    return
+  changes = workdir_lib.config_changes(saved, config)
   if changes:
     _say("settings changed since the checkpoint's run: " + "; ".join(changes))
 
