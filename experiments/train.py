@@ -25,6 +25,7 @@ from gemma_jax import apps, sharding
 from gemma_jax.config import ConfigError
 from gemma_jax.workdir import WorkdirError
 from gemma_jax.training import loop
+from gemma_jax.training.checkpoints import CheckpointError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -42,7 +43,7 @@ def main(argv):
   try:
     sharding.maybe_initialize_distributed(_CONFIG.value.mesh)
     loop.train(_CONFIG.value, _WORKDIR.value, model_overrides=overridden)
-  except (ConfigError, WorkdirError, loop.TrainingDiverged) as error:
+  except (ConfigError, WorkdirError, CheckpointError, loop.TrainingDiverged) as error:
     sys.exit(f"train.py: error: {error}")
 
 

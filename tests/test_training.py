@@ -3,6 +3,7 @@ divergence, errors)."""
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -379,6 +380,29 @@ def assert_only_checkpoint_is_finite_step_2(config, workdir):
   restored, data_state = checkpointer.restore(like)
   assert int(restored.step) == 2 and data_state["next_row"] == 2 * config.train.batch_size
   chex.assert_tree_all_finite(restored.params)
+
+
+@pytest.mark.parametrize("damage", ["state_removed", "data_not_json"])
+def test_a_damaged_latest_checkpoint_is_one_error_naming_the_step(corpus, tmp_path, damage):
+  """orbax had ended the resume in a raw KeyError or JSONDecodeError traceback; the error
+  now names the step and the one to fall back on, which a resume then takes."""
+  config = tiny_config(corpus)
+  config.train.steps, config.optimizer.warmup_steps = 2, 0
+  config.checkpoint.save_every, config.sample.max_new_tokens = 1, 0
+  loop.train(config, str(tmp_path))
+  step_dir = tmp_path / "checkpoints" / "2"
+  if damage == "state_removed":
+    shutil.rmtree(step_dir / "state")
+  else:
+    (step_dir / "data" / "metadata").write_text('{"ro')
+  resumed = config.copy_and_resolve_references()
+  resumed.train.steps = 3
+  with pytest.raises(checkpoints.CheckpointError, match=re.escape(
+      f"the checkpoint of step 2 in {tmp_path / 'checkpoints'} cannot be read (") + ".*"
+      + re.escape(f"move {step_dir} away to use step 1")):
+    loop.train(resumed, str(tmp_path))
+  shutil.move(str(step_dir), str(tmp_path / "damaged"))
+  assert loop.train(resumed, str(tmp_path))["step"] == 3
 
 
 def test_resuming_under_another_model_or_optimizer_names_what_differs(corpus, tmp_path):

@@ -4,6 +4,8 @@ A checkpoint `directory/<step>/` holds `state` (params, optimizer state, step an
 dropout key, as arrays) and `data` (the data iterator's position, as JSON).
 """
 
+import contextlib
+import os
 from typing import Optional, Tuple
 
 import jax
@@ -12,6 +14,10 @@ import orbax.checkpoint as ocp
 from gemma_jax.config import ConfigError
 from gemma_jax.training.optimizer import param_path
 from gemma_jax.training.steps import TrainState
+
+
+class CheckpointError(ValueError):
+  """A saved checkpoint step cannot be read."""
 
 
 def _to_arrays(state: TrainState) -> dict:
@@ -61,13 +67,16 @@ class Checkpointer:
     Raises:
       ConfigError (field model, or optimizer): the saved arrays' names or shapes are
         not those of `like` (the config's model or optimizer changed since the save).
+      CheckpointError: the step's files cannot be read (damaged, or deleted meanwhile).
     """
     step = self.latest_step() if step is None else step
     abstract = jax.tree.map(
         lambda shape, leaf: jax.ShapeDtypeStruct(shape.shape, shape.dtype,
                                                  sharding=leaf.sharding),
         jax.eval_shape(_to_arrays, like), like._asdict())
-    saved, wanted = _shapes(self._manager.item_metadata(step)["state"]), _shapes(abstract)
+    with self._readable(step):
+      metadata = self._manager.item_metadata(step)["state"]
+    saved, wanted = _shapes(metadata), _shapes(abstract)
     if saved != wanted:
       differ = [p for p in saved.keys() | wanted.keys() if saved.get(p) != wanted.get(p)]
       path = min(differ, key=lambda p: (not p.startswith("params/"), p))
@@ -76,11 +85,28 @@ class Checkpointer:
                         f"this config: {path} is {saved.get(path, 'absent')} there, "
                         f"{wanted.get(path, 'absent')} here; resume with the config it was "
                         "saved with, or use a new workdir")
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
+    with self._readable(step):
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract), data=ocp.args.JsonRestore()))
     arrays = restored["state"]
     rng = jax.random.wrap_key_data(arrays["rng"])
     return TrainState(**{**arrays, "rng": rng}), restored["data"]
+
+  @contextlib.contextmanager
+  def _readable(self, step: int):
+    """Turns any failure to read step `step` (a damaged or half-deleted checkpoint: orbax
+    and tensorstore raise KeyError, JSON and I/O errors of their own) into one
+    CheckpointError naming it and the steps kept."""
+    try:
+      yield
+    except Exception as error:   # pylint: disable=broad-except
+      first_line = (str(error).strip().splitlines() or [""])[0][:300]
+      others = [s for s in self.all_steps() if s != step]
+      raise CheckpointError(
+          f"the checkpoint of step {step} in {self._directory} cannot be read "
+          f"({type(error).__name__}: {first_line}); "
+          + (f"move {os.path.join(self._directory, str(step))} away to use step "
+             f"{others[-1]}" if others else "no other step is kept")) from None
 
   def wait(self) -> None:
     """Blocks until every save has been written."""
