@@ -776,19 +776,7 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   is followed. A `path` that holds a training run's checkpoints, or folders and no
   config.json, is refused.
   """
-  if os.path.lexists(path) and not os.path.isdir(path):
-    raise CheckpointError(f"{path}: exists and is not a directory")
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    raise CheckpointError(f"{path}: holds a training run's checkpoints, whose config.json "
-                          "the export would replace: export to a directory of its own")
-  folders = sorted(entry.name for entry in os.scandir(path) if entry.is_dir()) if (
-      os.path.isdir(path)) else []
-  if folders and not os.path.isfile(os.path.join(path, "config.json")):
-    # The directory is replaced whole (copied, swapped, removed): a run writing in one
-    # of those folders (runs/ holding workdirs) would lose its files under it.
-    raise CheckpointError(f"{path}: holds folders ({', '.join(folders[:3])}) and no "
-                          "config.json, so it is no transformers checkpoint: export to a new "
-                          "directory or over an earlier export")
+  check_destination(path, "config.json")
   if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
     raise CheckpointError(f"config.model.block_type: transformers has no layout for "
                           f"{config.model.block_type!r}")
@@ -806,12 +794,8 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
     parts.setdefault(name, {})[part] = value
   tensors = {name: np.concatenate([p[i] for i in sorted(p)], axis=-2) if len(p) > 1 else p[0]
              for name, p in parts.items()}
-  path = os.path.realpath(path)
-  parent = os.path.dirname(path)
-  os.makedirs(parent, exist_ok=True)
-  staging = os.path.join(parent, f".hf-save-{secrets.token_hex(8)}")
-  os.mkdir(staging)   # the umask's mode, as a plain new directory (mkdtemp's is 0700)
-  try:
+
+  def write(staging):
     _write_json(os.path.join(staging, "config.json"), hf_config)
     safetensors_io.write(os.path.join(staging, "model.safetensors"), tensors)  # synced
     if config.model.vision.enabled and config.model.block_type == "gemma4":
@@ -819,10 +803,45 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
                   hf_gemma4_vision.processor_to_hf(config.model.vision))
     if write_extra is not None:
       write_extra(staging)
+
+  write_into_place(path, write, _REPLACED)
+
+
+def check_destination(path: str, marker: str) -> None:
+  """CheckpointError unless `path` may be written by `write_into_place`: absent, or a
+  directory that holds no training run and, if it holds folders, `marker` (the file a
+  checkpoint of that kind has: it is replaced whole, and a run writing in one of those
+  folders, runs/ holding workdirs, would lose its files under it)."""
+  if os.path.lexists(path) and not os.path.isdir(path):
+    raise CheckpointError(f"{path}: exists and is not a directory")
+  if not os.path.isdir(path):
+    return
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    raise CheckpointError(f"{path}: holds a training run's checkpoints, whose config.json "
+                          "the export would replace: export to a directory of its own")
+  folders = sorted(entry.name for entry in os.scandir(path) if entry.is_dir())
+  if folders and not os.path.isfile(os.path.join(path, marker)):
+    raise CheckpointError(f"{path}: holds folders ({', '.join(folders[:3])}) and no "
+                          f"{marker}, so it is no checkpoint of this kind: export to a new "
+                          "directory or over an earlier export")
+
+
+def write_into_place(path: str, write: Callable[[str], None], replaced: re.Pattern) -> None:
+  """A checkpoint directory at `path`, whole or not at all: `write(staging)` fills a new
+  directory next to it; the files of an existing `path` are carried over (hard links)
+  except those written, those `replaced` matches and, when a tokenizer is written, the
+  old tokenizer's; the result is synced and moved into place (`_move_into_place`)."""
+  path = os.path.realpath(path)
+  parent = os.path.dirname(path)
+  os.makedirs(parent, exist_ok=True)
+  staging = os.path.join(parent, f".hf-save-{secrets.token_hex(8)}")
+  os.mkdir(staging)   # the umask's mode, as a plain new directory (mkdtemp's is 0700)
+  try:
+    write(staging)
     written = set(os.listdir(staging))
     # A new tokenizer replaces the old one's files whatever their names: transformers
     # prefers tokenizer.json, so an old one beside a new tokenizer.model would win.
-    replaced = [_REPLACED] + [_TOKENIZER] * any(map(_TOKENIZER.fullmatch, written))
+    replaced = [replaced] + [_TOKENIZER] * any(map(_TOKENIZER.fullmatch, written))
     if os.path.isdir(path):
       shutil.copytree(path, staging, symlinks=True, copy_function=_link_or_copy,
                       dirs_exist_ok=True, ignore=lambda folder, names: [

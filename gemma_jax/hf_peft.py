@@ -76,14 +76,20 @@ def _target_modules(modules, num_layers: int):
   return "|".join(re.escape(f"model.{m}") for m in sorted(modules))
 
 
+# An earlier adapter's files, which a new one replaces.
+_ADAPTER_FILES = re.compile(r"adapter_(config\.json|model\..*)")
+
+
 def save(directory: str, config: config_dict.ConfigDict, adapters: dict,
          base_model_name_or_path: str = None) -> None:
   """Writes `adapters` (`lora.split`'s, in the config's layout) as a peft LoRA directory
-  for the model `gemma_jax.hf.save(..., config, ...)` writes."""
+  for the model `gemma_jax.hf.save(..., config, ...)` writes, moved into place whole as
+  `hf.save`'s checkpoints are (other files of `directory` kept)."""
   _check_family(config)
   if config.model.vision.enabled:
     raise CheckpointError("config.model.vision.enabled: peft adapters are mapped for "
                           "text-only models (Gemma3ForCausalLM, Gemma4ForCausalLM)")
+  hf.check_destination(directory, CONFIG_FILE)
   flat = flax.traverse_util.flatten_dict(unstack_layers(adapters, config.model))
   tensors, modules = {}, set()
   for path, value in flat.items():
@@ -101,12 +107,16 @@ def save(directory: str, config: config_dict.ConfigDict, adapters: dict,
       "base_model_name_or_path": base_model_name_or_path, "bias": "none",
       "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
       "init_lora_weights": True, "inference_mode": True}
-  os.makedirs(directory, exist_ok=True)
-  safetensors_io.write(os.path.join(directory, WEIGHTS_FILE), tensors)
-  tmp = os.path.join(directory, f"{CONFIG_FILE}.tmp")
-  with open(tmp, "w") as f:
-    json.dump(adapter_config, f, indent=2)
-  os.replace(tmp, os.path.join(directory, CONFIG_FILE))
+
+
+  def write(staging):
+    safetensors_io.write(os.path.join(staging, WEIGHTS_FILE), tensors)
+    with open(os.path.join(staging, CONFIG_FILE), "w") as f:
+      json.dump(adapter_config, f, indent=2)
+
+  # Whole or not at all: new adapters beside an old adapter_config.json (another alpha)
+  # would load as good.
+  hf.write_into_place(directory, write, _ADAPTER_FILES)
 
 
 def _read_config(directory: str, config: config_dict.ConfigDict) -> None:

@@ -199,3 +199,23 @@ def test_gpt2_is_refused(tmp_path):
   config.lora.rank = RANK
   with pytest.raises(CheckpointError, match=r"config\.model\.block_type.*'gpt3'"):
     hf_peft.save(str(tmp_path), config, lora.init_adapters(config, jax.random.key(0)))
+
+
+def test_a_failed_save_leaves_the_earlier_export_whole(tmp_path, monkeypatch):
+  """A save that fails between its two files (here writing the config) had left new
+  adapters beside the old adapter_config.json, which loads without a word under the old
+  alpha. The earlier export stays byte for byte, with nothing left beside it."""
+  config = our_config("gemma3-tiny", GEMMA3)
+  adapters = lora.init_adapters(config, jax.random.key(0))
+  out = tmp_path / "peft"
+  hf_peft.save(str(out), config, random_leaves(adapters, 0, 0.1))
+  before = {name: (out / name).read_bytes() for name in os.listdir(out)}
+
+  def full_disk(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(json, "dump", full_disk)
+  with pytest.raises(OSError, match="No space left"):
+    hf_peft.save(str(out), config, random_leaves(adapters, 1, 0.1))
+  assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
+  assert os.listdir(tmp_path) == ["peft"]
