@@ -4,6 +4,7 @@ model apps read back from it.
     WORKDIR/config.json     the resolved config, written when a run starts
     WORKDIR/checkpoints/    orbax checkpoints by step (gemma_jax.training.checkpoints)
     WORKDIR/.lock           held (flock) by the one process training in it
+    WORKDIR/pins/           the steps LoRA runs over this workdir adapt: kept by its run
 
 `load_model(workdir=...)` or `load_model(hf_dir=...)` is what sample, eval, chat and
 export read: the config, the parameters (LoRA adapters merged into their base) and the
@@ -12,11 +13,12 @@ tokenizer.
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import socket
 import tempfile
-from typing import Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Set
 
 from ml_collections import config_dict
 
@@ -25,6 +27,7 @@ from gemma_jax import config as config_lib
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 LOCK_FILE = ".lock"
+PINS_DIR = "pins"
 
 
 class WorkdirError(ValueError):
@@ -90,6 +93,35 @@ def load_config(workdir: str) -> config_dict.ConfigDict:
     except ValueError as error:
       raise WorkdirError(f"{path}: not JSON ({error})") from None
   return config_from_dict(values, path)
+
+
+def pin_step(workdir: str, step: int, by: str) -> None:
+  """Records that the run in workdir `by` adapts step `step` of `workdir`, whose run then
+  keeps that step past `checkpoint.keep` while `by` exists (`pinned_steps`)."""
+  by = os.path.abspath(by)
+  directory = os.path.join(workdir, PINS_DIR)
+  os.makedirs(directory, exist_ok=True)
+  name = hashlib.sha1(by.encode()).hexdigest()[:16] + ".json"
+  fd, staging = tempfile.mkstemp(dir=directory, prefix=".pin-", suffix=".json")
+  with os.fdopen(fd, "w") as f:
+    json.dump({"step": int(step), "workdir": by}, f)
+  os.replace(staging, os.path.join(directory, name))
+
+
+def pinned_steps(workdir: str) -> Set[int]:
+  """The steps of `workdir` that existing LoRA workdirs adapt (`pin_step`); a pin whose
+  workdir is gone, or that cannot be read, holds nothing."""
+  directory = os.path.join(workdir, PINS_DIR)
+  steps = set()
+  for name in os.listdir(directory) if os.path.isdir(directory) else ():
+    try:
+      with open(os.path.join(directory, name)) as f:
+        pin = json.load(f)
+      if os.path.isdir(pin["workdir"]):
+        steps.add(int(pin["step"]))
+    except (OSError, ValueError, KeyError, TypeError):
+      continue
+  return steps
 
 
 def config_changes(before: config_dict.ConfigDict, after: config_dict.ConfigDict) -> List[str]:

@@ -18,7 +18,7 @@ import transformers
 import gemma_jax as gj
 from gemma_jax import sharding
 from gemma_jax import workdir as workdir_lib
-from gemma_jax.training import data, init_from, loop, tokenizers
+from gemma_jax.training import checkpoints, data, init_from, loop, tokenizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_SHAPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2,
@@ -265,10 +265,10 @@ def test_a_lora_run_keeps_the_step_of_the_workdir_it_adapts(corpus, tmp_path):
               num_layers=2, attention_pattern=("local", "global"), sliding_window=8)
   base, tuned = str(tmp_path / "base"), str(tmp_path / "lora")
 
-  def train_base(steps):
+  def train_base(steps, keep=5):
     config = run_config(corpus, steps=steps)
     config.model.update(tiny)
-    config.checkpoint.update(save_every=1, keep=5)
+    config.checkpoint.update(save_every=1, keep=keep)
     loop.train(config, base)
 
   def lora_config(**train):
@@ -289,3 +289,14 @@ def test_a_lora_run_keeps_the_step_of_the_workdir_it_adapts(corpus, tmp_path):
   with pytest.raises(gj.ConfigError, match=r"config\.train\.init_from_step: .*base holds the "
                      r"checkpoints of steps 1, 2, 3, not of step 7"):
     init_from.resolve(lora_config(init_from_step=7))
+  # The base trains on, keeping 2 steps: it keeps the one the LoRA workdir adapts too
+  # (its keep rotation had deleted it, after which the LoRA workdir no longer loaded),
+  # until that workdir is gone.
+  _, resumed = init_from.merged(workdir_lib.load_config(tuned), tuned)
+  train_base(6, keep=2)
+  assert checkpoints.Checkpointer(workdir_lib.checkpoint_dir(base), 1).all_steps() == (2, 5, 6)
+  _, kept = init_from.merged(workdir_lib.load_config(tuned), tuned)
+  jax.tree.map(np.testing.assert_array_equal, kept, resumed)
+  shutil.rmtree(tuned)
+  train_base(7, keep=2)
+  assert checkpoints.Checkpointer(workdir_lib.checkpoint_dir(base), 1).all_steps() == (6, 7)

@@ -6,10 +6,11 @@ dropout key, as arrays) and `data` (the data iterator's position, as JSON).
 
 import contextlib
 import os
-from typing import Optional, Tuple
+from typing import Callable, List, Optional, Set, Tuple
 
 import jax
 import orbax.checkpoint as ocp
+from orbax.checkpoint.checkpoint_managers import preservation_policy
 
 from gemma_jax.config import ConfigError
 from gemma_jax.training.optimizer import param_path
@@ -31,13 +32,29 @@ def _shapes(tree) -> dict:
           for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
-class Checkpointer:
-  """Saves (TrainState, data position) every call, keeping the last `keep` steps."""
+class _Pinned:
+  """An orbax preservation policy: keep the steps `pinned()` names, read at each save."""
 
-  def __init__(self, directory: str, keep: int):
+  def __init__(self, pinned: Callable[[], Set[int]]):
+    self._pinned = pinned
+
+  def should_preserve(self, checkpoints, *, context) -> List[bool]:
+    del context
+    steps = self._pinned()
+    return [info.step in steps for info in checkpoints]
+
+
+class Checkpointer:
+  """Saves (TrainState, data position) every call, keeping the last `keep` steps and
+  those `pinned()` names (steps that other runs adapt)."""
+
+  def __init__(self, directory: str, keep: int, pinned: Callable[[], Set[int]] = set):
     self._directory = directory
+    keeping = preservation_policy.AnyPreservationPolicy(
+        [preservation_policy.LatestN(keep), _Pinned(pinned)])
     self._manager = ocp.CheckpointManager(
-        directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True),
+        directory, options=ocp.CheckpointManagerOptions(preservation_policy=keeping,
+                                                        create=True),
         item_handlers={"state": ocp.StandardCheckpointHandler(),
                        "data": ocp.JsonCheckpointHandler()})
 

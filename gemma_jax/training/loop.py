@@ -179,6 +179,16 @@ def _resumed_base_step(config: config_dict.ConfigDict, workdir: str) -> config_d
   return config
 
 
+def _pin_base_step(base: str, step: int, workdir: str) -> None:
+  """Asks the run in workdir `base` to keep the step this LoRA run adapts (past its
+  checkpoint.keep); a base one cannot write to is only warned about."""
+  try:
+    workdir_lib.pin_step(base, step, workdir)
+  except OSError as error:
+    _say(f"warning: could not pin step {step} of {base} ({error}); should its run delete "
+         "that step, this workdir's model can no longer be loaded")
+
+
 def _frozen_base(config: config_dict.ConfigDict, mesh):
   """The weights LoRA adapts, laid out on `mesh`: train.init_from's."""
   if not config.train.init_from:
@@ -252,7 +262,10 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   batch_sharding = sharding.batch_sharding(mesh)
   eval_set = [sharding.global_batch(batch, mesh) for batch in local_eval_set]
   checkpoint_dir = workdir_lib.checkpoint_dir(workdir)
-  checkpointer = checkpoints.Checkpointer(checkpoint_dir, config.checkpoint.keep)
+  checkpointer = checkpoints.Checkpointer(checkpoint_dir, config.checkpoint.keep,
+                                          pinned=lambda: workdir_lib.pinned_steps(workdir))
+  if config.lora.rank and t.init_from_step is not None and jax.process_index() == 0:
+    _pin_base_step(t.init_from, t.init_from_step, workdir)
   # Trained params combined with the frozen ones (a LoRA run's base; else nothing).
   if config.lora.rank:
     combine = lora.combine
