@@ -3,6 +3,7 @@ divergence, errors)."""
 
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -369,6 +370,26 @@ def test_non_finite_parameters_stop_the_run_before_they_are_saved(corpus, tmp_pa
                      r"\(loss \d.*\) at step 4: .* last good checkpoint is step 2"):
     loop.train(config, str(tmp_path))
   assert_only_checkpoint_is_finite_step_2(config, tmp_path)
+
+
+def test_a_failed_checkpoint_write_is_one_error_keeping_the_steps_before(sgd, tmp_path):
+  """Files capped at 2 KiB (a full disk or quota): orbax's failure, reported at the
+  next call, is one error naming the steps kept (the app had ended in ~1000 lines of
+  tracebacks). Python ignores SIGXFSZ, so the write fails with EFBIG."""
+  checkpointer = checkpoints.Checkpointer(str(tmp_path), 2)
+  checkpointer.save(sgd["state"], {"next_row": 0})
+  checkpointer.wait()
+  limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+  resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))
+  try:
+    with pytest.raises(checkpoints.CheckpointError, match=re.escape(
+        f"writing a checkpoint in {tmp_path} failed (") + r".*the steps saved before are "
+        r"kept: 0$"):
+      checkpointer.save(sgd["state"]._replace(step=sgd["state"].step + 1), {"next_row": 8})
+      checkpointer.wait()
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+  assert checkpointer.all_steps() == (0,)
 
 
 def assert_only_checkpoint_is_finite_step_2(config, workdir):

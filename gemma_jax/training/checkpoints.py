@@ -18,7 +18,7 @@ from gemma_jax.training.steps import TrainState
 
 
 class CheckpointError(ValueError):
-  """A saved checkpoint step cannot be read."""
+  """A checkpoint step cannot be read, or written."""
 
 
 def _to_arrays(state: TrainState) -> dict:
@@ -69,8 +69,9 @@ class Checkpointer:
     step = int(state.step)
     if step in self._manager.all_steps():
       return
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(_to_arrays(state)), data=ocp.args.JsonSave(data_state)))
+    with self._writing():
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(_to_arrays(state)), data=ocp.args.JsonSave(data_state)))
 
   def restore(self, like: TrainState, step: Optional[int] = None) -> Tuple[TrainState, dict]:
     """The state and the data position.
@@ -125,9 +126,23 @@ class Checkpointer:
           + (f"move {os.path.join(self._directory, str(step))} away to use step "
              f"{others[-1]}" if others else "no other step is kept")) from None
 
+  @contextlib.contextmanager
+  def _writing(self):
+    """Turns a failed write (a full disk, a quota; orbax reports an earlier save's
+    failure at the next call) into one CheckpointError naming the steps kept."""
+    try:
+      yield
+    except Exception as error:   # pylint: disable=broad-except
+      first_line = (str(error).strip().splitlines() or [""])[0][:300]
+      kept = ", ".join(map(str, self.all_steps())) or "none"
+      raise CheckpointError(f"writing a checkpoint in {self._directory} failed "
+                            f"({type(error).__name__}: {first_line}); the steps saved "
+                            f"before are kept: {kept}") from None
+
   def wait(self) -> None:
     """Blocks until every save has been written."""
-    self._manager.wait_until_finished()
+    with self._writing():
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
     self._manager.close()
