@@ -618,15 +618,27 @@ def load_config(path: str, *, skip_audio: bool = False) -> config_dict.ConfigDic
   if skip_audio:
     hf_config = dict(hf_config, audio_config=None)
   config = config_from_hf(hf_config)
-  processor = os.path.join(path, "preprocessor_config.json")
-  if config.model.vision.enabled and config.model.block_type == "gemma4" and os.path.exists(
-      processor):
+  processor = _image_processor(path)
+  if config.model.vision.enabled and config.model.block_type == "gemma4" and processor:
     try:
       config.model.vision.update(hf_gemma4_vision.processor_from_hf(
-          read_json_object(processor), config.model.vision.to_dict()))
+          processor, config.model.vision.to_dict()))
     except ValueError as error:
       raise CheckpointError(f"{path}/{error}") from None
   return config
+
+
+def _image_processor(path: str) -> Optional[dict]:
+  """The image processor's settings in transformers directory `path`, read where
+  transformers reads them first: nested in processor_config.json (as transformers 5
+  saves a processor), else preprocessor_config.json; None when neither has them."""
+  nested = os.path.join(path, "processor_config.json")
+  if os.path.isfile(nested):
+    settings = read_json_object(nested).get("image_processor")
+    if isinstance(settings, dict):
+      return settings
+  flat = os.path.join(path, "preprocessor_config.json")
+  return read_json_object(flat) if os.path.isfile(flat) else None
 
 
 def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
@@ -799,8 +811,16 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
     _write_json(os.path.join(staging, "config.json"), hf_config)
     safetensors_io.write(os.path.join(staging, "model.safetensors"), tensors)  # synced
     if config.model.vision.enabled and config.model.block_type == "gemma4":
-      _write_json(os.path.join(staging, "preprocessor_config.json"),
-                  hf_gemma4_vision.processor_to_hf(config.model.vision))
+      processor = hf_gemma4_vision.processor_to_hf(config.model.vision)
+      _write_json(os.path.join(staging, "preprocessor_config.json"), processor)
+      # An earlier processor_config.json's nested image processor, which transformers
+      # reads first, takes the same budget (its other settings kept).
+      nested = os.path.join(path, "processor_config.json")
+      if os.path.isfile(nested) and isinstance(
+          read_json_object(nested).get("image_processor"), dict):
+        earlier = read_json_object(nested)
+        _write_json(os.path.join(staging, "processor_config.json"), dict(
+            earlier, image_processor=dict(earlier["image_processor"], **processor)))
     if write_extra is not None:
       write_extra(staging)
 

@@ -106,6 +106,28 @@ def test_config_reads_the_tower_and_the_processor_budget():
   assert config.model.bidirectional_span_types == ("local",)
 
 
+def test_the_budget_nested_in_processor_config_is_read_and_written_as_transformers_does(
+    tmp_path):
+  """transformers 5 saves a processor's image processor nested in processor_config.json
+  and reads it there first: a budget of 140 there (70 in preprocessor_config.json) had
+  loaded as 70, and a save of 280 over it left transformers reading 140."""
+  _, path, _ = reference()
+  shutil.copytree(path, tmp_path / "nested")
+  processor = Gemma4ImageProcessorPil(**dict(BUDGET, max_soft_tokens=140))
+  (tmp_path / "nested" / "processor_config.json").write_text(json.dumps(
+      {"image_processor": processor.to_dict(), "processor_class": "Gemma4Processor"}))
+  directory = str(tmp_path / "nested")
+  theirs = transformers.AutoImageProcessor.from_pretrained(directory).max_soft_tokens
+  config = gj.hf.load_config(directory)
+  assert config.model.vision.max_soft_tokens == theirs == 140
+  _, params = loaded(True)
+  config.model.vision.max_soft_tokens = 280
+  gj.hf.save(directory, config, params)
+  assert transformers.AutoImageProcessor.from_pretrained(directory).max_soft_tokens == 280
+  assert json.loads((tmp_path / "nested" / "processor_config.json").read_text())[
+      "processor_class"] == "Gemma4Processor"
+
+
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 def test_logits_match_transformers(scan):
   """Two images in row 0, one in row 1 (its second image slot empty), three aspect
