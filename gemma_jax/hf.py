@@ -165,7 +165,7 @@ def _text_config(hf: dict) -> _Section:
     model_type = text.get("model_type", _MULTIMODAL[model_type])
   if model_type not in _FAMILIES:
     raise CheckpointError(f"config.json: unsupported {where}model_type {model_type!r}: this "
-                          f"reader knows {sorted(_FAMILIES) + sorted(_MULTIMODAL)}")
+                          f"reader knows {sorted([*_FAMILIES, *_MULTIMODAL, 'gpt2'])}")
   defaults = _GEMMA3_DEFAULTS if model_type == "gemma3_text" else _GEMMA4_DEFAULTS
   return _Section({**defaults, **text, "model_type": model_type}, where)
 

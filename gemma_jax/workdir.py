@@ -200,6 +200,13 @@ def load_model(*, workdir: Optional[str] = None, hf_dir: Optional[str] = None,
   from gemma_jax.training import init_from, tokenizers  # pylint: disable=import-outside-toplevel
   if (workdir is None) == (hf_dir is None):
     raise WorkdirError("give exactly one of a workdir and a transformers directory")
+  if hf_dir is not None and is_workdir(hf_dir):
+    raise WorkdirError(f"{hf_dir} is a training workdir, not a transformers directory: "
+                       "load it as workdir= (--workdir)")
+  if workdir is not None and not is_workdir(workdir) and os.path.isfile(
+      os.path.join(workdir, CONFIG_FILE)):
+    raise WorkdirError(f"{workdir} is no training workdir (a transformers directory?): "
+                       "load it as hf_dir= (--hf_dir)")
   if workdir is not None:
     config, params = init_from.merged(load_config(workdir), workdir)
     name = tokenizer or config.data.tokenizer or "byte"

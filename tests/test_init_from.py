@@ -300,3 +300,18 @@ def test_a_lora_run_keeps_the_step_of_the_workdir_it_adapts(corpus, tmp_path):
   shutil.rmtree(tuned)
   train_base(7, keep=2)
   assert checkpoints.Checkpointer(workdir_lib.checkpoint_dir(base), 1).all_steps() == (6, 7)
+
+
+def test_load_model_names_a_directory_given_as_the_other_kind(hf_checkpoint, tmp_path):
+  """A workdir as hf_dir had failed on 'unsupported model_type None', a transformers
+  directory as workdir on its 'architectures' key."""
+  _, path = hf_checkpoint
+  workdir_lib.save_config(str(tmp_path), gj.get_config("gemma3-tiny"))
+  (tmp_path / "checkpoints").mkdir()
+  with pytest.raises(workdir_lib.WorkdirError, match=re.escape(
+      f"{tmp_path} is a training workdir, not a transformers directory: load it as "
+      "workdir=")):
+    workdir_lib.load_model(hf_dir=str(tmp_path))
+  with pytest.raises(workdir_lib.WorkdirError, match=re.escape(
+      f"{path} is no training workdir (a transformers directory?): load it as hf_dir=")):
+    workdir_lib.load_model(workdir=path)
