@@ -15,6 +15,7 @@ from gemma_jax.layers import activation_stats
 from gemma_jax.layers.attention import Attention
 from gemma_jax.layers.mlp import GatedMlp
 from gemma_jax.layers.norms import RMSNorm
+from gemma_jax.layers.row_chunks import apply_in_row_chunks
 
 ACTIVATION_AXES = ("batch", "length", "embed")
 
@@ -66,8 +67,9 @@ class Gemma3Layer(nn.Module):
   def feed_forward(self, x: jax.Array) -> jax.Array:
     """The residual stream x [B, T, D] -> the MLP's output [B, T, D], before its post-norm."""
     c = self.config
-    return GatedMlp(self.mlp_dim(), c.activation, dtype=jnp.dtype(c.dtype),
-                    param_dtype=jnp.dtype(c.param_dtype), name="mlp")(self.norm("pre_mlp_norm")(x))
+    mlp = GatedMlp(self.mlp_dim(), c.activation, dtype=jnp.dtype(c.dtype),
+                   param_dtype=jnp.dtype(c.param_dtype), name="mlp")
+    return apply_in_row_chunks(mlp, self.norm("pre_mlp_norm")(x))
 
   def attention_residual(self, x: jax.Array, attended: jax.Array) -> jax.Array:
     """x [B, T, D] plus the attention's output (post-normed)."""

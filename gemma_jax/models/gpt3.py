@@ -18,6 +18,7 @@ from ml_collections import config_dict
 from gemma_jax.layers.attention import Attention
 from gemma_jax.layers.layer_norm import LayerNorm
 from gemma_jax.layers.mlp import Mlp
+from gemma_jax.layers.row_chunks import apply_in_row_chunks
 from gemma_jax.models.gemma3 import Gemma3Layer
 
 
@@ -39,5 +40,6 @@ class Gpt3Layer(Gemma3Layer):
 
   def feed_forward(self, x: jax.Array) -> jax.Array:
     c = self.config
-    return Mlp(c.mlp_dim, c.activation, use_bias=True, dtype=jnp.dtype(c.dtype),
-               param_dtype=jnp.dtype(c.param_dtype), name="mlp")(self.norm("pre_mlp_norm")(x))
+    mlp = Mlp(c.mlp_dim, c.activation, use_bias=True, dtype=jnp.dtype(c.dtype),
+              param_dtype=jnp.dtype(c.param_dtype), name="mlp")
+    return apply_in_row_chunks(mlp, self.norm("pre_mlp_norm")(x))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from gemma_jax.layers import activation_stats
 from gemma_jax.layers.mlp import GatedMlp
+from gemma_jax.layers.row_chunks import apply_in_row_chunks
 from gemma_jax.models.gemma3 import ACTIVATION_AXES, Gemma3Layer
 
 
@@ -26,8 +27,8 @@ class ParallelLayer(Gemma3Layer):
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     y = self.norm("pre_norm")(x)
     attended = self.attention()(y, positions, masks[self.attention_type])
-    mlp = GatedMlp(c.mlp_dim, c.activation, dtype=jnp.dtype(c.dtype),
-                   param_dtype=jnp.dtype(c.param_dtype), name="mlp")(y)
+    mlp = apply_in_row_chunks(GatedMlp(c.mlp_dim, c.activation, dtype=jnp.dtype(c.dtype),
+                                       param_dtype=jnp.dtype(c.param_dtype), name="mlp"), y)
     branches = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(
         attended + mlp, deterministic=self.deterministic)
     x = x + branches
