@@ -17,6 +17,7 @@ from gemma_jax import decoder, modules, remat
 from gemma_jax.layers import norms
 from gemma_jax.layers.attention import CausalBlocks, CausalMask, LocalBlocks
 from gemma_jax.transformer import positions_from_segments
+from jaxpr_shapes import shapes
 
 
 def tiny(**overrides):
@@ -393,16 +394,6 @@ def test_long_rows_run_causal_layers_in_causal_blocks():
   assert_blocked_logits_match_dense(config, tokens(t=520), segments)
 
 
-def _shapes(jaxpr):
-  """The shapes of every value a jaxpr computes, nested jaxprs included."""
-  for eqn in jaxpr.eqns:
-    yield from (v.aval.shape for v in eqn.outvars)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, "eqns"):
-          yield from _shapes(sub)
-
-
 def test_vision_model_without_images_keeps_blocked_local_attention():
   """A vision model's text-only rows of 11 > 2 x 4 tokens through local layers: no value
   is T x T (the dense mask or its logits), some are blocks of W / 2 queries over 1.5W
@@ -413,9 +404,9 @@ def test_vision_model_without_images_keeps_blocked_local_attention():
   model = gj.transform(config)
   toks = tokens(t=11, vocab=500)   # no image ids (508 to 511)
   params = model.init(jax.random.key(0), toks)
-  shapes = list(_shapes(jax.make_jaxpr(model.apply)(params, toks).jaxpr))
-  assert not [s for s in shapes if s[-2:] == (11, 11)]
-  assert [s for s in shapes if s[-2:] == (2, 6)]
+  computed = list(shapes(jax.make_jaxpr(model.apply)(params, toks).jaxpr))
+  assert not [s for s in computed if s[-2:] == (11, 11)]
+  assert [s for s in computed if s[-2:] == (2, 6)]
   segments = jnp.ones_like(toks)
   dense = decoder.Decoder(config.model).apply(
       {"params": params}, toks, jnp.broadcast_to(jnp.arange(11), (2, 11)), segments,

@@ -16,6 +16,7 @@ import gemma_jax as gj
 from gemma_jax import lora
 from gemma_jax.layers import row_chunks
 from gemma_jax.quant import ptq
+from jaxpr_shapes import shapes
 
 B, T = 2, 12      # 24 positions: 3 chunks of [2, 4] under `small_chunks`
 MLP_DIM = 48
@@ -58,23 +59,11 @@ def tokens():
   return jnp.asarray(np.random.RandomState(0).randint(0, 97, (B, T)), jnp.int32)
 
 
-def _shapes(jaxpr):
-  """The shapes of every value a jaxpr computes, nested jaxprs included."""
-  for eqn in jaxpr.eqns:
-    yield from (v.aval.shape for v in eqn.outvars)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (tuple, list)) else (param,):
-        if hasattr(sub, "eqns"):
-          yield from _shapes(sub)
-        elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-          yield from _shapes(sub.jaxpr)
-
-
 def chunked_hidden(fn, *args) -> bool:
   """Whether fn computes an MLP hidden layer of one chunk, [8, F], and none of all 24
   positions at once."""
-  shapes = set(_shapes(jax.make_jaxpr(fn)(*args).jaxpr))
-  return (8, MLP_DIM) in shapes and (B * T, MLP_DIM) not in shapes
+  computed = set(shapes(jax.make_jaxpr(fn)(*args).jaxpr))
+  return (8, MLP_DIM) in computed and (B * T, MLP_DIM) not in computed
 
 
 def test_chunk_count():
