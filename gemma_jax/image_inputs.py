@@ -51,6 +51,9 @@ def to_rgb(image: Any) -> np.ndarray:
 
   Transparency is composited onto white, as transformers' `convert_to_rgb` does.
   """
+  size = tuple(image.size[::-1] if hasattr(image, "getbands") else np.shape(image)[:2])
+  if 0 in size:
+    raise ValueError(f"the image is empty: height x width {size}")
   if hasattr(image, "getbands"):  # a PIL image
     from PIL import Image  # pylint: disable=import-outside-toplevel
     if "A" in image.getbands() or image.info.get("transparency") is not None:

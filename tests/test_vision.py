@@ -24,6 +24,7 @@ from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
 import gemma_jax as gj
 from gemma_jax import decoder
+from gemma_jax import gemma4_images
 from gemma_jax import hf_vision
 from gemma_jax import image_inputs
 from gemma_jax import remat
@@ -422,6 +423,16 @@ def test_float_images_resize_without_quantisation():
   np.testing.assert_allclose(ours, (ref.astype(np.float64) - 0.5) / 0.5, rtol=0, atol=1e-6)
   with pytest.raises(ValueError, match=r"\[0, 1\]"):
     image_inputs.preprocess_image(floats * 2, 28)
+
+
+@pytest.mark.parametrize("image", [np.zeros((0, 5, 3), np.uint8), np.zeros((4, 0), np.float32),
+                                   Image.new("RGB", (0, 5))], ids=["rows", "columns", "pil"])
+def test_empty_images_are_named(image):
+  """An image without pixels is one error naming its size (numpy's reduction failed)."""
+  for preprocess in (functools.partial(image_inputs.preprocess_image, image_size=28),
+                     gemma4_images.preprocess_image):
+    with pytest.raises(ValueError, match=r"the image is empty: height x width \("):
+      preprocess(image)
 
 
 # ----------------------------------------------------------------------------- prompts
