@@ -44,16 +44,22 @@ def is_workdir(path: str) -> bool:
       os.path.join(path, CHECKPOINT_DIR))
 
 
-def save_config(workdir: str, config: config_dict.ConfigDict) -> str:
-  """Writes the config to WORKDIR/config.json atomically; returns the path."""
-  path = os.path.join(workdir, CONFIG_FILE)
-  fd, staging = tempfile.mkstemp(dir=workdir, prefix=".config-", suffix=".json")
-  with os.fdopen(fd, "w") as f:
-    json.dump(config.to_dict(), f, indent=2, sort_keys=True)
-    f.write("\n")
+def write_atomically(path: str, text: str) -> None:
+  """Writes `text` to `path` through a staging file in the same directory, renamed over
+  it once on disk: a reader (or a crash) sees the old file or the new, never part."""
+  fd, staging = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
+                                 prefix=f".{os.path.basename(path)}-")
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    f.write(text)
     f.flush()
     os.fsync(f.fileno())
   os.replace(staging, path)
+
+
+def save_config(workdir: str, config: config_dict.ConfigDict) -> str:
+  """Writes the config to WORKDIR/config.json atomically; returns the path."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  write_atomically(path, json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n")
   return path
 
 
@@ -102,10 +108,7 @@ def pin_step(workdir: str, step: int, by: str) -> None:
   directory = os.path.join(workdir, PINS_DIR)
   os.makedirs(directory, exist_ok=True)
   name = hashlib.sha1(by.encode()).hexdigest()[:16] + ".json"
-  fd, staging = tempfile.mkstemp(dir=directory, prefix=".pin-", suffix=".json")
-  with os.fdopen(fd, "w") as f:
-    json.dump({"step": int(step), "workdir": by}, f)
-  os.replace(staging, os.path.join(directory, name))
+  write_atomically(os.path.join(directory, name), json.dumps({"step": int(step), "workdir": by}))
 
 
 def pinned_steps(workdir: str) -> Set[int]:

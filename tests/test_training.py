@@ -221,6 +221,58 @@ def test_resumed_run_equals_uninterrupted_run_bit_for_bit(full_run, tmp_path):
   assert resumed[6]["eval_loss"] == full[6]["eval_loss"]
 
 
+def _session_starts(directory: str) -> list:
+  """The steps of the SessionLog START events in the TensorBoard event files under
+  `directory` (TFRecords: length, its CRC, an Event proto, its CRC)."""
+  from tensorboardX.proto import event_pb2   # pylint: disable=import-outside-toplevel
+  starts = []
+  for name in sorted(os.listdir(directory)):
+    with open(os.path.join(directory, name), "rb") as f:
+      data_ = f.read()
+    at = 0
+    while at < len(data_):
+      length = int.from_bytes(data_[at:at + 8], "little")
+      event = event_pb2.Event.FromString(data_[at + 12:at + 12 + length])
+      at += 16 + length
+      if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+        starts.append(event.step)
+  return starts
+
+
+def test_a_run_resumed_behind_its_last_record_logs_each_step_once(full_run, tmp_path):
+  """A crash after step 6 was logged but before it was saved: the run resumes from step
+  4 and logs 5 and 6 again. metrics.jsonl keeps one record a step, the resumed run's,
+  equal to the uninterrupted run's, and TensorBoard is told to purge steps from 5."""
+  config, full_workdir, _ = full_run
+  workdir = str(tmp_path / "run")
+  shutil.copytree(full_workdir, workdir)
+  shutil.rmtree(os.path.join(workdir_lib.checkpoint_dir(workdir), "6"))
+  assert _session_starts(os.path.join(workdir, "tensorboard")) == []
+  config = config.copy_and_resolve_references()
+  config.sample.max_new_tokens = 0
+  assert loop.train(config, workdir)["step"] == 6
+  records = metrics.read_records(workdir)
+  assert [r["step"] for r in records] == list(range(1, 7))
+  full = {r["step"]: r for r in metrics.read_records(full_workdir)}
+  for record in records:
+    for key in ("loss", "grad_norm", "eval_loss"):
+      assert record.get(key) == full[record["step"]].get(key), (record["step"], key)
+  assert _session_starts(os.path.join(workdir, "tensorboard")) == [5]
+
+
+def test_a_new_run_drops_the_records_of_one_that_saved_nothing(tmp_path):
+  """Records left by a run that crashed before its first checkpoint belong to no step a
+  new run resumes from: all go."""
+  path = os.path.join(str(tmp_path), metrics.METRICS_FILE)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+  writer = metrics.MetricsWriter(str(tmp_path), 0)
+  writer.write(1, {"loss": 3.0})
+  writer.close()
+  assert writer.dropped == 2
+  assert metrics.read_records(str(tmp_path)) == [{"step": 1, "loss": 3.0}]
+
+
 def test_a_log_record_averages_every_step_since_the_last_even_across_saves(full_run, tmp_path,
                                                                           monkeypatch):
   """Logs at 3 and 6, saves at 2 and 4: each record is the mean of the three steps'

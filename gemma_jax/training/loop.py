@@ -322,8 +322,11 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   tokens_per_step = t.batch_size * config.data.seq_len
   flops_per_token = flops.training_flops_per_token(config.model, config.data.seq_len)
   peak = t.peak_flops or flops.measure_peak_flops(config.model.dtype)
-  writer = metrics.MetricsWriter(workdir) if jax.process_index() == 0 else None
   step = int(state.step)
+  writer = metrics.MetricsWriter(workdir, step) if jax.process_index() == 0 else None
+  if writer and writer.dropped:
+    _say(f"dropped {writer.dropped} record(s) past step {step} from "
+         f"{metrics.METRICS_FILE}: this run logs those steps again")
   summary = {"step": step, "stopped_by": None}
   last_eval = None   # (step, eval loss)
   if step == 0 and t.init_from:   # where fine-tuning starts from

@@ -10,6 +10,8 @@ import matplotlib
 import numpy as np
 import tensorboardX
 
+from gemma_jax import workdir as workdir_lib
+
 matplotlib.use("Agg")
 from matplotlib import pyplot  # pylint: disable=wrong-import-position
 
@@ -19,11 +21,19 @@ PLOT_FILE = "loss.png"
 
 class MetricsWriter:
   """Appends one JSON object per record to workdir/metrics.jsonl and writes the same
-  scalars as TensorBoard events under workdir/tensorboard."""
+  scalars as TensorBoard events under workdir/tensorboard.
 
-  def __init__(self, workdir: str):
-    self._jsonl = open(os.path.join(workdir, METRICS_FILE), "a", encoding="utf-8")
-    self._events = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"))
+  A run that starts at `step` (its restored checkpoint's; 0 for a new run) logs every
+  later step again, so the records an interrupted run wrote past it are dropped from
+  metrics.jsonl (rewritten atomically) and purged from TensorBoard's view: each step
+  appears once, as the run that kept it logged it."""
+
+  def __init__(self, workdir: str, step: int = 0):
+    path = os.path.join(workdir, METRICS_FILE)
+    self.dropped = _drop_records_after(path, step)
+    self._jsonl = open(path, "a", encoding="utf-8")
+    self._events = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"),
+                                              purge_step=step + 1 if step else None)
 
   def write(self, step: int, scalars: Dict[str, float]) -> None:
     record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
@@ -42,6 +52,19 @@ def read_records(workdir: str) -> List[dict]:
   """The records of workdir/metrics.jsonl, in the order written."""
   with open(os.path.join(workdir, METRICS_FILE), encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def _drop_records_after(path: str, step: int) -> int:
+  """Rewrites the metrics file `path` without its records of steps after `step` (all of
+  them when `step` is 0); -> how many it dropped."""
+  if not os.path.exists(path):
+    return 0
+  with open(path, encoding="utf-8") as f:
+    lines = [line for line in f if line.strip()]
+  kept = [line for line in lines if step and json.loads(line)["step"] <= step]
+  if len(kept) < len(lines):
+    workdir_lib.write_atomically(path, "".join(kept))
+  return len(lines) - len(kept)
 
 
 def unigram_entropy(batches: Iterable[dict]) -> float:
