@@ -233,6 +233,12 @@ def test_prompts_with_images_decode_like_the_full_forward():
   with pytest.raises(ValueError, match="span 0 holds 1 image_token_id ids"):
     dec.prefill(params, jnp.asarray(padded[:, :3]), jnp.asarray([3, 3]), cache_length=width,
                 images=images)
+  # Past the prompt, text only: a placeholder there would embed as a word.
+  cache = dec.prefill(params, jnp.asarray(padded), jnp.asarray(lengths), cache_length=width,
+                      images=images)[1]
+  with pytest.raises(ValueError, match=rf"tokens\[1, 2\] is the image placeholder id "
+                     rf"{v.image_token_id}: extend takes text only"):
+    dec.extend(params, jnp.asarray([[5, 6, 7], [8, 9, v.image_token_id]]), cache)
 
 
 def test_global_layers_past_cache_length_attend_to_the_last_cache_length_tokens():

@@ -120,6 +120,20 @@ def check_prompts(tokens, lengths, cache_length: int, vocab_size: int) -> None:
                        "(the prompt width)")
 
 
+def _check_text(tokens, model: config_dict.ConfigDict, method: str) -> None:
+  """Raises ValueError when concrete tokens [B, C] hold an image placeholder: `method`
+  runs text only, and a placeholder without its image would be read as a word. (Not
+  checked in decode_step, whose tokens are sampled: a model may emit the id.)"""
+  if not model.vision.enabled or isinstance(tokens, jax.core.Tracer):
+    return
+  found = np.argwhere(np.asarray(tokens) == model.vision.image_token_id)
+  if found.size:
+    row, col = found[0]
+    raise ValueError(f"tokens[{row}, {col}] is the image placeholder id "
+                     f"{model.vision.image_token_id}: {method} takes text only; a prompt "
+                     "with images goes in through prefill(..., images=...)")
+
+
 def make_decoding(config: config_dict.ConfigDict) -> Decoding:
   """Validates `config` and returns its jitted `prefill` and `decode_step`."""
   config_lib.validate(config)
@@ -270,6 +284,7 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       raise ValueError(f"tokens must have shape [batch={cache.next_position.shape[0]}, C >= 1], "
                        f"got {tokens.shape}")
     _check_tokens(tokens, model.vocab_size)
+    _check_text(tokens, model, "extend")
     _check_positions(cache.next_position + tokens.shape[1] - 1, model.trainable_position_size,
                      "cache.next_position + C - 1")
     return _extend(params, tokens, cache)
