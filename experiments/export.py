@@ -25,7 +25,7 @@ from absl import flags
 from gemma_jax import apps, hf, hf_peft, quant
 from gemma_jax import workdir as workdir_lib
 from gemma_jax.config import ConfigError
-from gemma_jax.training import init_from, tokenizers
+from gemma_jax.training import checkpoints, init_from, tokenizers
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to export.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write.")
@@ -39,11 +39,23 @@ def generation_config(tokenizer) -> dict:
           "pad_token_id": tokenizer.pad_id}
 
 
+def _latest_step(workdir: str, config):
+  """The workdir's latest checkpoint step, read once: what is exported and named (None
+  without one, which the restore then names)."""
+  checkpointer = checkpoints.Checkpointer(workdir_lib.checkpoint_dir(workdir),
+                                          config.checkpoint.keep)
+  try:
+    return checkpointer.latest_step()
+  finally:
+    checkpointer.close()
+
+
 def export_model(workdir: str, out: str) -> str:
   """Writes the workdir's model (adapters merged into the float base), tokenizer and
   generation config."""
   config = quant.float_config(workdir_lib.load_config(workdir))
-  config, params = init_from.merged(config, workdir)
+  step = _latest_step(workdir, config)
+  config, params = init_from.merged(config, workdir, step=step)
   tokenizer = tokenizers.get_tokenizer(config.data.tokenizer or "byte", config.model.vocab_size)
 
   def write_extra(directory):
@@ -52,7 +64,8 @@ def export_model(workdir: str, out: str) -> str:
       json.dump(generation_config(tokenizer), f, indent=2)
 
   hf.save(out, config, params, write_extra=write_extra)
-  return f"wrote a transformers {config.model.block_type} model to {out}"
+  return (f"wrote the {config.model.block_type} model of step {step} "
+          f"to {out} (transformers' layout)")
 
 
 def export_adapters(workdir: str, out: str) -> str:
@@ -61,9 +74,12 @@ def export_adapters(workdir: str, out: str) -> str:
   if not config.lora.rank:
     raise ConfigError("lora.rank", f"{workdir} trained the whole model (lora.rank=0): it has "
                       "no adapters to write; export it without --peft")
-  hf_peft.save(out, config, init_from.restore_params(config, workdir))
-  return f"wrote the rank-{config.lora.rank} LoRA adapters to {out} (base: " \
-         f"{config.train.init_from})"
+  base, step = config.train.init_from, _latest_step(workdir, config)
+  # peft's AutoPeftModel loads the base from here: a transformers directory, not a workdir.
+  hf_base = os.path.abspath(base) if base and not workdir_lib.is_workdir(base) else None
+  hf_peft.save(out, config, init_from.restore_params(config, workdir, step=step), hf_base)
+  return (f"wrote the rank-{config.lora.rank} LoRA adapters of step {step} to {out} "
+          f"(base: {base})")
 
 
 def main(argv):

@@ -827,18 +827,35 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   write_into_place(path, write, _REPLACED)
 
 
+# The file that marks each kind of checkpoint directory the exports write.
+_MARKERS = {"config.json": "a transformers model", "adapter_config.json": "peft adapters"}
+
+
 def check_destination(path: str, marker: str) -> None:
-  """CheckpointError unless `path` may be written by `write_into_place`: absent, or a
-  directory that holds no training run and, if it holds folders, `marker` (the file a
-  checkpoint of that kind has: it is replaced whole, and a run writing in one of those
-  folders, runs/ holding workdirs, would lose its files under it)."""
+  """CheckpointError unless `path` may be written by `write_into_place`: absent (under
+  directories, not files), or a directory that holds no training run, no checkpoint of
+  the other kind (`_MARKERS`: transformers loads adapters found beside a model onto it,
+  and a model export would delete adapter_model.safetensors as an old weight file) and,
+  if it holds folders, `marker` (the file a checkpoint of that kind has: it is replaced
+  whole, and a run writing in one of those folders, runs/ holding workdirs, would lose
+  its files under it)."""
   if os.path.lexists(path) and not os.path.isdir(path):
     raise CheckpointError(f"{path}: exists and is not a directory")
   if not os.path.isdir(path):
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(parent):
+      parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+      raise CheckpointError(f"{path}: {parent} exists and is not a directory")
     return
   if os.path.isdir(os.path.join(path, "checkpoints")):
     raise CheckpointError(f"{path}: holds a training run's checkpoints, whose config.json "
                           "the export would replace: export to a directory of its own")
+  for other, kind in _MARKERS.items():
+    if other != marker and os.path.isfile(os.path.join(path, other)):
+      raise CheckpointError(f"{path}: holds {kind} ({other}), which this export of "
+                            f"{_MARKERS[marker]} would mix with: export to a directory of "
+                            "its own")
   folders = sorted(entry.name for entry in os.scandir(path) if entry.is_dir())
   if folders and not os.path.isfile(os.path.join(path, marker)):
     raise CheckpointError(f"{path}: holds folders ({', '.join(folders[:3])}) and no "

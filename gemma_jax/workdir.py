@@ -98,6 +98,9 @@ def load_config(workdir: str) -> config_dict.ConfigDict:
       values = json.load(f)
     except ValueError as error:
       raise WorkdirError(f"{path}: not JSON ({error})") from None
+  if isinstance(values, dict) and "model_type" in values and "model" not in values:
+    raise WorkdirError(f"{workdir} is a transformers directory ({path} is transformers' "
+                       "config), not a training workdir")
   return config_from_dict(values, path)
 
 

@@ -52,6 +52,7 @@ def fine_tune_and_export(root, **model):
   for flags in ([f"--out={root / 'lora_hf'}"], [f"--out={root / 'lora_peft'}", "--peft"]):
     result = app("export", f"--workdir={root / 'lora'}", *flags)
     assert result.returncode == 0, result.stderr
+    assert " of step 3 to " in result.stdout, result.stdout
   return root
 
 
@@ -76,6 +77,25 @@ def test_exported_model_and_adapters_give_our_logits_in_transformers_and_peft(ro
   np.testing.assert_allclose(torch_logits(exported, tokens), ours, atol=1e-4, rtol=0)
   with_adapters = peft.PeftModel.from_pretrained(base, route / "lora_peft").eval()
   np.testing.assert_allclose(torch_logits(with_adapters, tokens), ours, atol=1e-4, rtol=0)
+  # The adapters name their base, so peft's AutoPeftModel finds it alone.
+  adapter_config = json.loads((route / "lora_peft" / "adapter_config.json").read_text())
+  assert adapter_config["base_model_name_or_path"] == str(route / "base")
+  auto = peft.AutoPeftModelForCausalLM.from_pretrained(route / "lora_peft").eval()
+  np.testing.assert_allclose(torch_logits(auto, tokens), ours, atol=1e-4, rtol=0)
+
+
+def test_an_export_refuses_a_directory_of_the_other_kind(route):
+  """Adapters written beside a model load onto it in transformers, silently: the base
+  would no longer be the base. A model written over adapters deletes their weights (an
+  old *.safetensors) and keeps adapter_config.json, which transformers then fails on."""
+  for out, flags, kind in ((route / "lora_hf", ["--peft"], "a transformers model"),
+                           (route / "lora_peft", [], "peft adapters")):
+    before = sorted(os.listdir(out))
+    result = app("export", f"--workdir={route / 'lora'}", f"--out={out}", *flags)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{out}: holds {kind}" in lines[0], lines
+    assert sorted(os.listdir(out)) == before
 
 
 def test_qlora_export_merges_the_adapters_into_the_float_base(tmp_path):
@@ -115,6 +135,8 @@ def test_exported_directory_samples_and_tokenizes_as_the_run(route):
                 os.mkdir(w / "checkpoints")), [], "no checkpoint in"),
     (lambda w: (workdir_lib.save_config(str(w), gj.get_config("gemma3-tiny")),
                 os.mkdir(w / "checkpoints")), ["--peft"], "lora.rank=0"),
+    (lambda w: (w / "config.json").write_text(json.dumps(gj.hf.config_to_hf(
+        gj.get_config("gemma3-tiny")))), [], "is a transformers directory"),
 ])
 def test_export_of_a_workdir_without_a_model_is_one_error_line(tmp_path, make, flags, message):
   (tmp_path / "w").mkdir()

@@ -326,6 +326,13 @@ def test_save_refuses_a_training_workdir(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.json"]
 
 
+def test_save_refuses_a_path_under_a_file(tmp_path):
+  (tmp_path / "file").write_text("")
+  with pytest.raises(gj.hf.CheckpointError, match=re.escape(
+      f"{tmp_path / 'file' / 'out'}: {tmp_path / 'file'} exists and is not a directory")):
+    gj.hf.save(str(tmp_path / "file" / "out"), gj.get_config("gemma3-tiny"), params={})
+
+
 def test_unknown_layer_type_is_named():
   hf = gj.hf.config_to_hf(gj.get_config("gemma3-tiny"))
   hf["layer_types"] = ["sliding_attention"] * (hf["num_hidden_layers"] - 1) + ["chunked"]
