@@ -302,10 +302,8 @@ def run_shape(name: str) -> dict:
   forward = common.alternating_medians({k: c.forward for k, c in calls.items()}, rounds)
   greedy = ({} if tuning else common.alternating_medians(
       {k: c.greedy for k, c in calls.items()}, max(2, rounds // 2)))
-  flops_per_token = flops.training_flops_per_token(m, t)
-  forward_flops_per_token = flops_per_token / 3
-  if tuning:   # no weight gradients of the frozen base (the adapters' own are negligible)
-    flops_per_token -= 2 * flops.matmul_params(m)
+  forward_flops_per_token = flops.training_flops_per_token(m, t) / 3
+  flops_per_token = flops.training_flops_per_token(m, t, lora.param_count(config))
   for who in calls:
     result[who] = {
         "train_step_s": train[who], "train_tokens_per_s": b * t / train[who],

@@ -168,6 +168,23 @@ def test_matmul_flops_count_the_model_kernels():
   assert flops.measure_peak_flops(repeats=1) > 1e8
 
 
+def test_a_lora_run_counts_no_weight_gradients_of_its_frozen_base():
+  """Rank 4 on the default targets (q, k, v, out, gate, up, down) of both layers: the
+  frozen base's matmuls cost forward and input gradient (4 a parameter), the adapters'
+  A [in, 4] and B [4, out] forward and both gradients (6)."""
+  config = tiny_config()
+  config.lora.rank = 4
+  d, nh, kh, f = 32, 2 * 16, 1 * 16, 64
+  in_out = [(d, nh), (d, kh), (d, kh), (nh, d), (d, f), (d, f), (f, d)]
+  adapters = 2 * 4 * sum(i + o for i, o in in_out)
+  assert gj.lora.param_count(config) == adapters
+  attention = 4 * 2 * 16 * (8 + 32)
+  full = flops.training_flops_per_token(config.model, 32)
+  tuned = flops.training_flops_per_token(config.model, 32, adapters)
+  assert tuned == 4 * flops.matmul_params(config.model) + 6 * adapters + 3 * attention
+  assert tuned < full
+
+
 def test_unigram_entropy_of_known_distributions():
   batch = {"targets": np.asarray([[1, 2, 3, 4, 9]]), "weights": np.asarray([[1, 1, 1, 1, 0.]])}
   np.testing.assert_allclose(metrics.unigram_entropy([batch]), np.log(4))

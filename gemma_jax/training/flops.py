@@ -2,7 +2,7 @@
 
 MFU = tokens/s * training_flops_per_token / (peak FLOP/s * devices). The count is of
 the model's useful work (PaLM's convention): 6 FLOPs per matmul parameter per token
-(forward 2, backward 4), plus attention's two T x S products per layer, with S the
+(forward 2, backward 4; 4 for a LoRA run's frozen base), plus attention's two T x S products per layer, with S the
 keys a query may see (the full row for global layers, the window for local ones),
 also tripled for the backward pass. Embedding lookups, norms and softmax are not
 counted; recomputation by remat is not counted either.
@@ -41,13 +41,18 @@ def matmul_params(config: config_dict.ConfigDict) -> int:
   return total
 
 
-def training_flops_per_token(config: config_dict.ConfigDict, seq_len: int) -> float:
-  """Forward + backward FLOPs per token of a [B, seq_len] batch (model section config)."""
+def training_flops_per_token(config: config_dict.ConfigDict, seq_len: int,
+                             adapter_params: int = 0) -> float:
+  """Forward + backward FLOPs per token of a [B, seq_len] batch (model section config).
+  With LoRA (`adapter_params`, `lora.param_count`, > 0) the base is frozen: its matmul
+  parameters cost 4 (forward 2, the activations' gradient 2, no weight gradient) and
+  the adapters' 6; adapters on experts are counted as if every token used them."""
   attention = 0
   for kind in layer_types(config):
     keys = seq_len if kind == "global" else min(seq_len, config.sliding_window)
     attention += 2 * 2 * config.num_heads * _attention_shape(config, kind)[1] * keys
-  return 3.0 * (2 * matmul_params(config) + attention)
+  per_base_param = 4 if adapter_params else 6
+  return per_base_param * matmul_params(config) + 6.0 * adapter_params + 3.0 * attention
 
 
 def square_matmul(size: int, dtype: str = "float32"):

@@ -320,7 +320,8 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   _say(f"compiled the train and eval steps in {time.perf_counter() - start:.1f}s")
 
   tokens_per_step = t.batch_size * config.data.seq_len
-  flops_per_token = flops.training_flops_per_token(config.model, config.data.seq_len)
+  flops_per_token = flops.training_flops_per_token(config.model, config.data.seq_len,
+                                                   lora.param_count(config))
   peak = t.peak_flops or flops.measure_peak_flops(config.model.dtype)
   step = int(state.step)
   writer = metrics.MetricsWriter(workdir, step) if jax.process_index() == 0 else None
