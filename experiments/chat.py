@@ -61,6 +61,9 @@ def main(argv):
     sampler.check_options(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
                           config.model.vocab_size)
     sampler.check_max_new_tokens(_MAX_NEW_TOKENS.value)
+    if _MAX_NEW_TOKENS.value >= session.max_length:
+      raise ValueError(f"--max_new_tokens={_MAX_NEW_TOKENS.value} leaves no room for a "
+                       f"message in --max_length={session.max_length} positions")
   except (gj.ConfigError, ValueError, OSError) as error:   # WorkdirError, CheckpointError too
     sys.exit(f"chat.py: error: {error}")
   replies = 0

@@ -169,9 +169,16 @@ def test_session_refuses_a_conversation_past_max_length():
   config = small("gemma3-tiny")
   session = ChatSession(config, random_params(config), tokenizers.ByteTokenizer(),
                         max_length=64)
-  with pytest.raises(ValueError, match="more than max_length=64: reset the conversation"):
+  # A first turn: a reset would not help, so it is not offered.
+  with pytest.raises(ValueError, match=r"this turn needs \d+ positions \(conversation 0 \+ "
+                     r"this message \d+ \+ max_new_tokens 30\), more than max_length=64: "
+                     r"lower max_new_tokens or raise max_length$"):
     list(session.send("x" * 40, max_new_tokens=30))
   assert session.ids == []   # nothing was computed
+  list(session.send("x" * 10, max_new_tokens=8))
+  with pytest.raises(ValueError, match=r"more than max_length=64: reset the conversation, "
+                     r"lower max_new_tokens or raise max_length$"):
+    list(session.send("x" * 10, max_new_tokens=30))
 
 
 @pytest.mark.parametrize("max_new_tokens", [0, -30])
@@ -239,13 +246,17 @@ def test_chat_app_reads_turns_from_a_pipe(tmp_path):
                            "> /quit\n")
 
 
-def test_chat_app_refuses_a_bad_option_before_chatting(tmp_path):
+@pytest.mark.parametrize("flags, message", [
+    (["--top_p=0"], "top_p must lie in (0, 1] (1: all tokens), got 0.0"),
+    (["--max_length=128"],   # the default 256 new tokens: no message could ever fit
+     "--max_new_tokens=256 leaves no room for a message in --max_length=128 positions"),
+])
+def test_chat_app_refuses_a_bad_option_before_chatting(tmp_path, flags, message):
   config = small("gemma3-tiny")
   gj.hf.save(str(tmp_path / "hf"), config, random_params(config))
   result = subprocess.run(
       [sys.executable, os.path.join(REPO, "experiments", "chat.py"), f"--hf_dir={tmp_path / 'hf'}",
-       "--tokenizer=byte", "--top_p=0"], input="Hi\n", capture_output=True, text=True,
+       "--tokenizer=byte", *flags], input="Hi\n", capture_output=True, text=True,
       timeout=300, env=dict(os.environ, XLA_FLAGS=""), check=False)
   assert result.returncode == 1 and result.stdout == ""
-  assert result.stderr.strip().splitlines() == [
-      "chat.py: error: top_p must lie in (0, 1] (1: all tokens), got 0.0"]
+  assert result.stderr.strip().splitlines() == [f"chat.py: error: {message}"]

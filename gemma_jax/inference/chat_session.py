@@ -111,8 +111,13 @@ class ChatSession:
     turn = self._turn_ids(text)
     needed = len(self.ids) + len(turn) + max_new_tokens
     if needed > self.max_length:
-      raise ValueError(f"this turn needs {needed} positions, more than max_length="
-                       f"{self.max_length}: reset the conversation")
+      fixes = ["lower max_new_tokens", "raise max_length"]
+      if self.ids:
+        fixes.insert(0, "reset the conversation")
+      raise ValueError(f"this turn needs {needed} positions (conversation {len(self.ids)} + "
+                       f"this message {len(turn)} + max_new_tokens {max_new_tokens}), more "
+                       f"than max_length={self.max_length}: {', '.join(fixes[:-1])} or "
+                       f"{fixes[-1]}")
     self._feed(np.asarray(([] if self._unfed is None else [self._unfed]) + turn.tolist(),
                           np.int32))
     self.ids += turn.tolist()
