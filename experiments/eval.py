@@ -6,8 +6,8 @@ r"""Loss and perplexity of a trained or published model on text or chat files.
 Every example of --data is read (no split): text files and JSONL text as in training,
 chat JSONL through the chat template with the loss on the model's turns only. Prints a
 progress bar, then a table; writes the figures as JSON (--json; default WORKDIR/eval.json
-with --workdir, ./eval.json with --hf_dir). The loss per token is the training loop's
-evaluation of the same batches.
+with --workdir, none with --hf_dir, whose directory is the published model's). The loss
+per token is the training loop's evaluation of the same batches.
 """
 
 import json
@@ -36,22 +36,23 @@ flags.mark_flag_as_required("data")
 def table(model: str, data_path: str, figures: dict) -> str:
   """The figures as a markdown table."""
   return "\n".join([
-      "| model | data | rows | tokens | loss (nats/token) | perplexity |",
+      "| model | data | rows x tokens | tokens scored | loss (nats/token) | perplexity |",
       "|---|---|---|---|---|---|",
-      f"| {model} | {data_path} | {figures['rows']} | {figures['tokens']:.0f} | "
-      f"{figures['loss']:.4f} | {figures['perplexity']:.3f} |"])
+      f"| {model} | {data_path} | {figures['rows']} x {figures['seq_len']} | "
+      f"{figures['tokens']:.0f} | {figures['loss']:.4f} | {figures['perplexity']:.3f} |"])
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  out = _JSON.value or os.path.join(_MODEL.workdir.value or ".", "eval.json")
+  out = _JSON.value or (_MODEL.workdir.value and os.path.join(_MODEL.workdir.value,
+                                                               "eval.json"))
   try:
     if _BATCH_SIZE.value < 1:
       raise ValueError(f"--batch_size must be >= 1, got {_BATCH_SIZE.value}")
-    if not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
+    config, params, tokenizer = _MODEL.load()   # first: it names a workdir that is none
+    if out and not os.access(os.path.dirname(os.path.abspath(out)), os.W_OK):
       raise ValueError(f"--json: cannot write {out} (no such folder, or not writable)")
-    config, params, tokenizer = _MODEL.load()
     data_config = config.data
     with data_config.unlocked():
       data_config.update(dict(path=_DATA.value, format=_FORMAT.value,
@@ -64,11 +65,12 @@ def main(argv):
   except (config_lib.ConfigError, ValueError, OSError) as error:   # Data/Workdir/Checkpoint
     sys.exit(f"eval.py: error: {error}")
   model = _MODEL.workdir.value or _MODEL.hf_dir.value
+  figures = dict(figures, model=model, data=_DATA.value, seq_len=data_config.seq_len)
   print(table(model, _DATA.value, figures))
-  with open(out, "w") as f:
-    json.dump(dict(figures, model=model, data=_DATA.value, seq_len=data_config.seq_len), f,
-              indent=2)
-  print(f"wrote {out}")
+  if out:
+    with open(out, "w") as f:
+      json.dump(figures, f, indent=2)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -110,7 +110,33 @@ def test_eval_app_prints_a_table_and_writes_json(trained, tmp_path):
   expected, weight = numpy_loss(config, params, data.load_all(config.data, tokenizer))
   np.testing.assert_allclose(figures["loss"], expected, rtol=1e-5)
   assert figures["tokens"] == weight and figures["rows"] > 0
-  assert f"| {figures['loss']:.4f} | {figures['perplexity']:.3f} |" in result.stdout
+  assert f"| {figures['rows']} x {config.data.seq_len} | {figures['tokens']:.0f} | " \
+      f"{figures['loss']:.4f} | {figures['perplexity']:.3f} |" in result.stdout
+
+
+def test_eval_app_on_a_transformers_directory_writes_json_only_when_asked(trained, tmp_path):
+  """The figures of --hf_dir went to ./eval.json, into whatever directory the user was in."""
+  workdir, _ = trained
+  hf_dir = tmp_path / "hf"
+  assert subprocess.run([sys.executable, "experiments/export.py", f"--workdir={workdir}",
+                         f"--out={hf_dir}"], cwd=REPO, capture_output=True,
+                        timeout=300).returncode == 0
+  (tmp_path / "cwd").mkdir()
+  result = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "eval.py"),
+                           f"--hf_dir={hf_dir}", f"--data={CHAT}", "--seq_len=128"],
+                          cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  assert "wrote" not in result.stdout and os.listdir(tmp_path / "cwd") == []
+  assert "eval.json" not in os.listdir(hf_dir)
+
+
+def test_eval_app_names_a_missing_workdir_not_the_json_beside_it(tmp_path):
+  result = subprocess.run([sys.executable, "experiments/eval.py",
+                           f"--workdir={tmp_path / 'none'}", f"--data={CHAT}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 1
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "is not a training workdir" in lines[0], result.stderr
 
 
 @pytest.mark.parametrize("flags, message", [
