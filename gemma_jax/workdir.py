@@ -49,6 +49,9 @@ def write_atomically(path: str, text: str) -> None:
   it once on disk: a reader (or a crash) sees the old file or the new, never part."""
   fd, staging = tempfile.mkstemp(dir=os.path.dirname(path) or ".",
                                  prefix=f".{os.path.basename(path)}-")
+  umask = os.umask(0)
+  os.umask(umask)
+  os.fchmod(fd, 0o666 & ~umask)   # a plain new file's mode (mkstemp's is 0600)
   with os.fdopen(fd, "w", encoding="utf-8") as f:
     f.write(text)
     f.flush()
@@ -170,8 +173,10 @@ def lock(workdir: str):
   WorkdirError naming the process holding it; the kernel drops the lock when its holder
   exits, however it exits, so a dead run leaves none behind. A directory whose
   config.json is not a run's (a transformers checkpoint) is refused before anything is
-  written into it: the run's config would replace that file."""
+  written into it: the run's config would replace that file. A workdir this call created
+  is removed again if the run wrote nothing into it (it stopped at a bad data path)."""
   _check_not_foreign(workdir)
+  created = not os.path.isdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, LOCK_FILE)
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -186,6 +191,9 @@ def lock(workdir: str):
     os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     yield
   finally:
+    if created and os.listdir(workdir) == [LOCK_FILE]:   # removed while still held
+      os.unlink(path)
+      os.rmdir(workdir)
     os.close(fd)   # releases the flock
 
 

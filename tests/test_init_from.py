@@ -59,6 +59,9 @@ def test_config_round_trips_through_the_workdir(tmp_path):
   workdir_lib.save_config(str(tmp_path), config)
   loaded = workdir_lib.load_config(str(tmp_path))
   assert loaded.to_dict() == config.to_dict()
+  umask = os.umask(0)
+  os.umask(umask)
+  assert os.stat(tmp_path / "config.json").st_mode & 0o777 == 0o666 & ~umask   # not 0600
   assert loaded.model.attention_pattern == ("local", "global", "global")   # tuples stay tuples
   with pytest.raises(AttributeError):
     loaded.train.stepz = 3   # locked, as every config

@@ -660,3 +660,4 @@ def test_app_reports_a_missing_data_path_in_one_line(tmp_path):
   assert process.returncode == 1
   assert stderr.strip().splitlines() == [
       "train.py: error: config.data.path: no file matches '/nonexistent/*.txt'"]
+  assert not (tmp_path / "run").exists()   # created for the run, which wrote nothing
