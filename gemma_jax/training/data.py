@@ -86,7 +86,11 @@ def _read_jsonl(filename: str, text_field: str, data_format: str) -> list:
         # JSON's \uXXXX escapes can spell half of a UTF-16 pair, which no text holds.
         json.dumps(record, ensure_ascii=False).encode("utf-8")
       except json.JSONDecodeError as error:
-        raise DataError("data.path", f"{where} is not JSON ({error})") from None
+        # Where in this line (the decoder's own "line 2" counts the line's newline).
+        text = line.rstrip("\r\n")
+        at = f"column {error.pos + 1}" if error.pos < len(text) else "the end of the line"
+        message = error.msg[:-3] if error.msg.endswith(" at") else error.msg
+        raise DataError("data.path", f"{where} is not JSON ({message} at {at})") from None
       except UnicodeEncodeError as error:
         raise DataError("data.path", f"{where} holds a lone UTF-16 surrogate "
                         f"{error.object[error.start]!r}, which is not text") from None
