@@ -1,4 +1,4 @@
-"""A CPU-sized preset, byte-level, on the Python standard library's source: about five
+"""A CPU-sized preset, byte-level, on the Python standard library's source: about three
 minutes on two CPU cores. gemma3-tiny by default; any *-tiny preset by name:
 
     --config=configs/gemma3_tiny.py:gemma4-moe-tiny    8 experts, top 2, beside a shared
