@@ -33,6 +33,11 @@ _JSON = flags.DEFINE_string("json", None, "Where to write the figures as JSON.")
 flags.mark_flag_as_required("data")
 
 
+# The config fields this app sets from its flags: an error in one names the flag.
+_FLAG_OF_FIELD = {"data.path": "--data", "data.format": "--format",
+                  "data.text_field": "--text_field", "data.seq_len": "--seq_len"}
+
+
 def table(model: str, data_path: str, figures: dict) -> str:
   """The figures as a markdown table."""
   return "\n".join([
@@ -62,7 +67,11 @@ def main(argv):
     config_lib.validate(config)
     figures = evaluate.evaluate(config, params, data.load_all(data_config, tokenizer),
                                 _BATCH_SIZE.value)
-  except (config_lib.ConfigError, ValueError, OSError) as error:   # Data/Workdir/Checkpoint
+  except config_lib.ConfigError as error:   # DataError too: named by the flag that set it
+    flag = _FLAG_OF_FIELD.get(error.field)
+    sys.exit(f"eval.py: error: {flag}: {str(error)[len(f'config.{error.field}: '):]}" if flag
+             else f"eval.py: error: {error}")
+  except (ValueError, OSError) as error:   # WorkdirError, CheckpointError too
     sys.exit(f"eval.py: error: {error}")
   model = _MODEL.workdir.value or _MODEL.hf_dir.value
   figures = dict(figures, model=model, data=_DATA.value, seq_len=data_config.seq_len)

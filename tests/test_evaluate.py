@@ -140,9 +140,9 @@ def test_eval_app_names_a_missing_workdir_not_the_json_beside_it(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--data=/nowhere/*.jsonl"], "config.data.path: no file matches '/nowhere/*.jsonl'"),
-    (["--format=chat", "--data=README.md"], "data.format"),
-    (["--data=README.md", "--seq_len=0"], "config.data.seq_len: must be an integer >= 2, got 0"),
+    (["--data=/nowhere/*.jsonl"], "error: --data: no file matches '/nowhere/*.jsonl'"),
+    (["--format=chat", "--data=README.md"], "error: --format: "),
+    (["--data=README.md", "--seq_len=0"], "error: --seq_len: must be an integer >= 2, got 0"),
     (["--data=README.md", "--json=/nowhere/eval.json"],
      "--json: cannot write /nowhere/eval.json (no such folder, or not writable)"),
 ])
