@@ -56,8 +56,14 @@ class ModelFlags(NamedTuple):
   def load(self) -> workdir_lib.Loaded:
     """(config, params, tokenizer) of the workdir or transformers directory given,
     quantized as --quant says (stored-weight modes quantize the float weights once)."""
-    loaded = workdir_lib.load_model(workdir=self.workdir.value, hf_dir=self.hf_dir.value,
-                                    tokenizer=self.tokenizer.value)
+    try:
+      loaded = workdir_lib.load_model(workdir=self.workdir.value, hf_dir=self.hf_dir.value,
+                                      tokenizer=self.tokenizer.value)
+    except config_lib.ConfigError as error:
+      if error.field != "data.tokenizer" or (self.workdir.value and not self.tokenizer.value):
+        raise   # a workdir's own tokenizer is its config's data.tokenizer
+      flag = "--tokenizer" if self.tokenizer.value else "--hf_dir (pass --tokenizer)"
+      raise ValueError(f"{flag}: {str(error)[len('config.data.tokenizer: '):]}") from None
     mode = self.quant.value
     if mode in (None, loaded.config.model.quant):
       return loaded

@@ -58,6 +58,12 @@ def test_a_cache_dtype_that_is_no_cache_dtype_is_one_error_line(tmp_path):
                             f"--cache_dtype={dtype}")
     assert line == (f"sample.py: error: --cache_dtype: {dtype!r} is not one of "
                     "float32, bfloat16, float16, int8")
+  # No tokenizer among the directory's files, or a --tokenizer that is none: the flag.
+  assert sample_app_error(f"--hf_dir={tmp_path / 'hf'}").startswith(
+      f"sample.py: error: --hf_dir (pass --tokenizer): '{tmp_path / 'hf'}' is a directory "
+      "without tokenizer.json or tokenizer.model")
+  assert sample_app_error(f"--hf_dir={tmp_path / 'hf'}", f"--tokenizer={tmp_path}").startswith(
+      f"sample.py: error: --tokenizer: '{tmp_path}' is a directory without")
 
 
 def test_from_a_transformers_directory_with_a_sentencepiece_tokenizer(tmp_path):
