@@ -211,10 +211,19 @@ def test_a_transformers_directory_is_refused_as_a_workdir(hf_checkpoint, corpus,
   gj.hf.load(str(copy))
 
 
-def test_init_from_a_path_that_is_no_checkpoint_is_one_error(corpus, tmp_path):
+@pytest.mark.parametrize("files, message", [
+    (None, "nowhere': no such directory"),
+    ({}, "nowhere' is neither a transformers directory"),
+    ({"adapter_config.json": "{}"}, "nowhere' holds peft adapters, not a model: start from "
+                                    "their base"),
+])
+def test_init_from_a_path_that_is_no_checkpoint_is_one_error(corpus, tmp_path, files, message):
+  if files is not None:
+    (tmp_path / "nowhere").mkdir()
+    for name, text in files.items():
+      (tmp_path / "nowhere" / name).write_text(text)
   config = run_config(corpus, init_from=str(tmp_path / "nowhere"))
-  with pytest.raises(gj.ConfigError, match=r"config\.train\.init_from: .*nowhere' is neither "
-                     "a transformers directory"):
+  with pytest.raises(gj.ConfigError, match=r"config\.train\.init_from: .*" + message):
     loop.train(config, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
 

@@ -32,6 +32,11 @@ def _kind(path: str) -> str:
     return "workdir"
   if os.path.isfile(os.path.join(path, "config.json")):
     return "hf"
+  if not os.path.isdir(path):
+    raise ConfigError("train.init_from", f"{path!r}: no such directory")
+  if os.path.isfile(os.path.join(path, "adapter_config.json")):
+    raise ConfigError("train.init_from", f"{path!r} holds peft adapters, not a model: start "
+                      "from their base (adapter_config.json's base_model_name_or_path)")
   raise ConfigError("train.init_from", f"{path!r} is neither a transformers directory "
                     "(config.json and *.safetensors) nor a training workdir (config.json and "
                     "checkpoints/)")
