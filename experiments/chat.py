@@ -83,6 +83,9 @@ def main(argv):
       print(f"chat.py: {error}", file=sys.stderr)
       continue
     print()
+    if session.reply_cut:
+      print(f"chat.py: the reply was cut at --max_new_tokens={_MAX_NEW_TOKENS.value}",
+            file=sys.stderr)
     replies += 1
 
 

@@ -154,6 +154,7 @@ def test_session_keeps_one_cache_and_equals_a_full_recomputation():
     ids, _, _ = greedy_conversation(config, params, tokenizer, "Be brief.", questions[:turn + 1],
                                     8)
     assert session.ids == ids and reply == replies[turn]
+    assert session.reply_cut == (ids[-1] not in tokenizer.stop_ids)   # no stop id: cut
     # The logits after the last token computed (the last sampled one is not fed yet)
     # equal the full forward over the whole conversation before it.
     full = apply(params, jnp.asarray([session.ids[:-1]]))[0, -1]

@@ -63,6 +63,7 @@ class ChatSession:
     self._cache = None
     self._unfed: Optional[int] = None   # the last sampled token, not yet in the cache
     self.logits = None               # [V] after the last token computed
+    self.reply_cut = False           # the last reply ended at max_new_tokens, not a stop id
 
   def _turn_ids(self, text: str) -> np.ndarray:
     """The ids that follow the conversation so far for a user turn `text`, through the
@@ -129,6 +130,7 @@ class ChatSession:
     """Samples the reply token by token. Each token sampled is in `ids` and, until the
     cache holds it, in `_unfed`, so wherever the reader stops, `ids` and the cache agree."""
     reply, shown = [], ""
+    self.reply_cut = False
     for _ in range(max_new_tokens):
       rng, key = jax.random.split(rng)
       token = int(sampler.choose(self.logits[None], key, **options)[0])
@@ -142,6 +144,7 @@ class ChatSession:
         yield text_so_far[len(shown):]
         shown = text_so_far
       if len(reply) == max_new_tokens:
+        self.reply_cut = True
         break
       self._feed(np.asarray([token], np.int32))
       self._unfed = None
