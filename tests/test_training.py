@@ -472,7 +472,7 @@ def assert_only_checkpoint_is_finite_step_2(config, workdir):
   chex.assert_tree_all_finite(restored.params)
 
 
-@pytest.mark.parametrize("damage", ["state_removed", "data_not_json"])
+@pytest.mark.parametrize("damage", ["state_removed", "data_not_json", "arrays_emptied"])
 def test_a_damaged_latest_checkpoint_is_one_error_naming_the_step(corpus, tmp_path, damage):
   """orbax had ended the resume in a raw KeyError or JSONDecodeError traceback; the error
   now names the step and the one to fall back on, which a resume then takes."""
@@ -483,14 +483,18 @@ def test_a_damaged_latest_checkpoint_is_one_error_naming_the_step(corpus, tmp_pa
   step_dir = tmp_path / "checkpoints" / "2"
   if damage == "state_removed":
     shutil.rmtree(step_dir / "state")
-  else:
+  elif damage == "data_not_json":
     (step_dir / "data" / "metadata").write_text('{"ro')
+  else:   # tensorstore's arrays, truncated
+    for chunk in (step_dir / "state").glob("**/d/*"):
+      chunk.write_bytes(b"")
   resumed = config.copy_and_resolve_references()
   resumed.train.steps = 3
   with pytest.raises(checkpoints.CheckpointError, match=re.escape(
       f"the checkpoint of step 2 in {tmp_path / 'checkpoints'} cannot be read (") + ".*"
-      + re.escape(f"move {step_dir} away to use step 1")):
+      + re.escape(f"move {step_dir} away to use step 1")) as error:
     loop.train(resumed, str(tmp_path))
+  assert "bound method" not in str(error.value)   # tensorstore's pointer to its details
   shutil.move(str(step_dir), str(tmp_path / "damaged"))
   assert loop.train(resumed, str(tmp_path))["step"] == 3
 

@@ -44,6 +44,13 @@ class _Pinned:
     return [info.step in steps for info in checkpoints]
 
 
+def _gist(error: Exception) -> str:
+  """The first line of an orbax or tensorstore error, without tensorstore's pointer to
+  its "full details" (the repr of a bound method), at most 300 characters."""
+  line = (str(error).strip().splitlines() or [""])[0]
+  return line.split(" See full TensorStore details")[0][:300]
+
+
 class Checkpointer:
   """Saves (TrainState, data position) every call, keeping the last `keep` steps and
   those `pinned()` names (steps that other runs adapt)."""
@@ -118,7 +125,7 @@ class Checkpointer:
     try:
       yield
     except Exception as error:   # pylint: disable=broad-except
-      first_line = (str(error).strip().splitlines() or [""])[0][:300]
+      first_line = _gist(error)
       others = [s for s in self.all_steps() if s != step]
       raise CheckpointError(
           f"the checkpoint of step {step} in {self._directory} cannot be read "
@@ -133,7 +140,7 @@ class Checkpointer:
     try:
       yield
     except Exception as error:   # pylint: disable=broad-except
-      first_line = (str(error).strip().splitlines() or [""])[0][:300]
+      first_line = _gist(error)
       kept = ", ".join(map(str, self.all_steps())) or "none"
       raise CheckpointError(f"writing a checkpoint in {self._directory} failed "
                             f"({type(error).__name__}: {first_line}); the steps saved "
