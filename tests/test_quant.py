@@ -520,3 +520,25 @@ def test_qlora_trains_adapters_over_an_int4_base(corpus, tmp_path):
   _, expected = quant.quantize(float_config, float_params, "int4_weights")
   chex.assert_trees_all_equal(base, expected)
   assert any(np.abs(leaf).max() > 0 for leaf in jax.tree.leaves(adapters))
+  # The QLoRA workdir as a later run's start (it raised a device_put tree error): its
+  # adapters merged into the float weights, W + (alpha / r) A B, here in float64.
+  follow = tiny_config(corpus)
+  follow.train.init_from = str(tmp_path / "run")
+  start = flax.traverse_util.flatten_dict(init_from.base_params(init_from.resolve(follow)))
+  float_flat = flax.traverse_util.flatten_dict(float_params)
+  adapter_flat = flax.traverse_util.flatten_dict(adapters)
+  assert start.keys() == float_flat.keys()
+  merged_kernels = 0
+  for path, w in float_flat.items():
+    want = np.asarray(w, np.float64)
+    a = adapter_flat.get(path[:-1] + ("lora_a",))
+    if a is not None:
+      b = np.asarray(adapter_flat[path[:-1] + ("lora_b",)], np.float64)
+      a = np.asarray(a, np.float64)
+      r = a.shape[-1]
+      lead = a.shape[:a.ndim + b.ndim - 2 - want.ndim]
+      delta = np.matmul(a.reshape(lead + (-1, r)), b.reshape(lead + (r, -1)))
+      want = want + config.lora.alpha / r * delta.reshape(want.shape)
+      merged_kernels += 1
+    np.testing.assert_allclose(start[path], want, atol=1e-6, rtol=0, err_msg=str(path))
+  assert merged_kernels == len(adapter_flat) // 2

@@ -151,7 +151,10 @@ def base_params(config: config_dict.ConfigDict,
   path = config.train.init_from
   shardings = None if mesh is None else sharding.param_shardings(lora.disabled(config), mesh)
   if _kind(path) == "workdir":
-    _, params = merged(workdir_lib.load_config(path), path, mesh, config.train.init_from_step)
+    # A QLoRA workdir's adapters merge into the float weights its base was quantized
+    # from, as its export does: the new run quantizes them again if it asks to.
+    source = quant.float_config(workdir_lib.load_config(path))
+    _, params = merged(source, path, mesh, config.train.init_from_step)
   else:
     try:
       _, params = hf.load(path, param_dtype=config.model.param_dtype,

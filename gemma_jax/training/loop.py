@@ -335,7 +335,10 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
     summary["start_eval_loss"] = start_loss
     if writer:
       writer.write(0, {"eval_loss": start_loss})
-    _say(f"step 0/{t.steps} | eval_loss {start_loss:.4f} (the weights of {t.init_from})")
+    stored = (f", as {config.model.quant}" if config.model.quant in quant.STORED_MODES
+              else "")
+    _say(f"step 0/{t.steps} | eval_loss {start_loss:.4f} (the weights of {t.init_from}"
+         f"{stored})")
   # Metrics of steps not yet checked, and of those checked but not yet logged; the
   # seconds those steps ran (evaluations, logging and saves left out).
   pending, unlogged, seconds, interval_start = [], [], 0.0, time.perf_counter()
