@@ -303,22 +303,25 @@ def test_int4_scales_the_mesh_does_not_divide_stay_whole_there(tiny):
 
 # Bad input.
 
+@pytest.mark.parametrize("mode, stored", [("int8_weights", "int8"), ("int4_weights", "uint8")])
 @pytest.mark.parametrize("preset, where", [("gemma3-tiny", r"attn/q/kernel"),
                                            ("gemma4-moe-tiny", r"experts/gate")])
-def test_integer_weights_under_a_float_config_are_refused(preset, where):
-  """They read as float weights with their scales ignored (logits off by 1.3, silently)."""
+def test_integer_weights_under_a_float_config_are_refused(preset, where, mode, stored):
+  """They read as float weights with their scales ignored (logits off by 1.3, silently);
+  int4 (two a byte, uint8) failed in Flax's shape check instead."""
   config = gj.get_config(preset)
   config.model.update(num_layers=2, attention_pattern=("local", "global"), sliding_window=8)
   tokens = jnp.asarray(RNG.integers(0, 512, (1, 8)), jnp.int32)
   params = gj.transform(config).init(jax.random.key(0), tokens)
-  quantized = flax.traverse_util.flatten_dict(quant.quantize(config, params, "int8_weights")[1])
+  config.model.quant_group_size = 16
+  quantized = flax.traverse_util.flatten_dict(quant.quantize(config, params, mode)[1])
   # One weight of the kind `where` names holds its integers, the rest are float.
   flat = flax.traverse_util.flatten_dict(params)
   path = min(p for p in flat if "/".join(p).endswith(where))
   flat[path] = quantized[path]
   qparams = flax.traverse_util.unflatten_dict(flat)
-  with pytest.raises(ValueError, match=f"{where} holds int8 weights, which run only under the "
-                     r"model.quant they were stored for"):
+  with pytest.raises(ValueError, match=f"{where} holds {stored} weights, which run only "
+                     r"under the model.quant they were stored for"):
     gj.transform(config).apply(qparams, tokens)
 
 

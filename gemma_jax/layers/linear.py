@@ -10,14 +10,17 @@ import jax.numpy as jnp
 from gemma_jax.layers.matmul import matmul
 
 
-def float_weight(module: nn.Module, name: str, weight: jax.Array) -> jax.Array:
-  """`weight`, unless it holds integers: those are stored weights (quant's int8_weights
-  or int4_weights), which only their model.quant reads, with their scales."""
-  if not jnp.issubdtype(weight.dtype, jnp.floating):
-    raise ValueError(f"{'/'.join(module.scope.path + (name,))} holds {weight.dtype} weights, "
-                     "which run only under the model.quant they were stored for "
-                     "(int8_weights or int4_weights)")
-  return weight
+def float_param(module: nn.Module, name: str, init, shape, dtype) -> jax.Array:
+  """module.param(name, init, shape, dtype) for a float weight. A stored one (quant's
+  int8_weights or int4_weights, which only their model.quant reads, with their scales;
+  int4 packs two a byte, so its shape differs too) is one ValueError naming it."""
+  if module.has_variable("params", name):
+    stored = nn.meta.unbox(module.get_variable("params", name))
+    if not jnp.issubdtype(stored.dtype, jnp.floating):
+      raise ValueError(f"{'/'.join(module.scope.path + (name,))} holds {stored.dtype} "
+                       "weights, which run only under the model.quant they were stored "
+                       "for (int8_weights or int4_weights)")
+  return module.param(name, init, shape, dtype)
 
 
 class Linear(nn.Module):
@@ -61,9 +64,8 @@ class Linear(nn.Module):
     init = nn.initializers.variance_scaling(
         1.0, "fan_in", "normal",
         in_axis=tuple(range(self.in_dims)), out_axis=tuple(range(self.in_dims, rank)))
-    return float_weight(self, "kernel", self.param(
-        "kernel", nn.with_logical_partitioning(init, tuple(self.axes)),
-        tuple(in_shape) + tuple(self.out_shape), self.param_dtype))
+    return float_param(self, "kernel", nn.with_logical_partitioning(init, tuple(self.axes)),
+                       tuple(in_shape) + tuple(self.out_shape), self.param_dtype)
 
   def product(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
     """x [R, I] @ kernel [I, O] (a hook: int8 training quantizes both)."""

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from gemma_jax.layers import expert_dispatch, expert_parallel
-from gemma_jax.layers.linear import Linear, float_weight
+from gemma_jax.layers.linear import Linear, float_param
 from gemma_jax.layers.mlp import GatedMlp, gated_activation
 from gemma_jax.layers.norms import RMSNorm
 
@@ -123,10 +123,10 @@ class Experts(nn.Module):
       return tuple(tuple(w.astype(self.dtype) for w in self.get_variable("params", name))
                    for name in EXPERT_WEIGHTS)
     e, f = self.num_experts, self.mlp_dim
-    weight = lambda name, shape, axes: float_weight(self, name, self.param(
-        name, nn.with_logical_partitioning(nn.initializers.variance_scaling(
+    weight = lambda name, shape, axes: float_param(
+        self, name, nn.with_logical_partitioning(nn.initializers.variance_scaling(
             1.0, "fan_in", "normal", in_axis=1, out_axis=2, batch_axis=(0,)), axes),
-        shape, self.param_dtype)).astype(self.dtype)
+        shape, self.param_dtype).astype(self.dtype)
     return (weight("gate", (e, d, f), ("expert", "embed", "mlp")),
             weight("up", (e, d, f), ("expert", "embed", "mlp")),
             weight("down", (e, f, d), ("expert", "mlp", "embed")))
