@@ -6,8 +6,9 @@ r"""Loss and perplexity of a trained or published model on text or chat files.
 Every example of --data is read (no split): text files and JSONL text as in training,
 chat JSONL through the chat template with the loss on the model's turns only. Prints a
 progress bar, then a table; writes the figures as JSON (--json; default WORKDIR/eval.json
-with --workdir, none with --hf_dir, whose directory is the published model's). The loss
-per token is the training loop's evaluation of the same batches.
+with --workdir, WORKDIR/eval_<mode>.json with --quant, none with --hf_dir, whose
+directory is the published model's). The loss per token is the training loop's
+evaluation of the same batches; the table and the JSON name the model's quant mode.
 """
 
 import json
@@ -50,8 +51,9 @@ def table(model: str, data_path: str, figures: dict) -> str:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  out = _JSON.value or (_MODEL.workdir.value and os.path.join(_MODEL.workdir.value,
-                                                               "eval.json"))
+  # A quantized evaluation is kept beside the float one, not over it.
+  name = f"eval_{_MODEL.quant.value}.json" if _MODEL.quant.value else "eval.json"
+  out = _JSON.value or (_MODEL.workdir.value and os.path.join(_MODEL.workdir.value, name))
   try:
     if _BATCH_SIZE.value < 1:
       raise ValueError(f"--batch_size must be >= 1, got {_BATCH_SIZE.value}")
@@ -74,7 +76,10 @@ def main(argv):
   except (ValueError, OSError) as error:   # WorkdirError, CheckpointError too
     sys.exit(f"eval.py: error: {error}")
   model = _MODEL.workdir.value or _MODEL.hf_dir.value
-  figures = dict(figures, model=model, data=_DATA.value, seq_len=data_config.seq_len)
+  figures = dict(figures, model=model, data=_DATA.value, seq_len=data_config.seq_len,
+                 quant=config.model.quant)
+  if config.model.quant != "none":
+    model = f"{model} ({config.model.quant})"
   print(table(model, _DATA.value, figures))
   if out:
     with open(out, "w") as f:

@@ -114,6 +114,21 @@ def test_eval_app_prints_a_table_and_writes_json(trained, tmp_path):
       f"{figures['loss']:.4f} | {figures['perplexity']:.3f} |" in result.stdout
 
 
+def test_a_quantized_evaluation_is_named_and_kept_beside_the_float_one(trained):
+  workdir, _ = trained
+  run = lambda *flags: subprocess.run([sys.executable, "experiments/eval.py",
+                                       f"--workdir={workdir}", f"--data={CHAT}", *flags],
+                                      cwd=REPO, capture_output=True, text=True, timeout=300)
+  for flags in ([], ["--quant=int8_weights"]):
+    result = run(*flags)
+    assert result.returncode == 0, result.stderr
+  plain = json.loads(open(os.path.join(workdir, "eval.json")).read())
+  quantized = json.loads(open(os.path.join(workdir, "eval_int8_weights.json")).read())
+  assert (plain["quant"], quantized["quant"]) == ("none", "int8_weights")
+  assert f"| {workdir} (int8_weights) |" in result.stdout
+  assert abs(quantized["loss"] / plain["loss"] - 1) < 0.01
+
+
 def test_eval_app_on_a_transformers_directory_writes_json_only_when_asked(trained, tmp_path):
   """The figures of --hf_dir went to ./eval.json, into whatever directory the user was in."""
   workdir, _ = trained
