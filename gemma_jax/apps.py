@@ -37,6 +37,9 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache_dir", None, "Where compiled programs are kept for the next run; "
     "default: $JAX_COMPILATION_CACHE_DIR if set, else "
     f"{compilation_cache.default_directory()}. Empty: no cache.")
+# The flags this module defines from here on (`define_model_flags`) are the calling app's
+# own: its --help lists them.
+flags.disclaim_key_flags()
 
 
 def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None) -> None:

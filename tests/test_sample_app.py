@@ -175,3 +175,13 @@ def test_describes_an_image_from_a_multimodal_checkpoint(tmp_path, preset):
   stdout = sample_app(f"--hf_dir={tmp_path / 'hf'}", "--tokenizer=byte", f"--prompt={prompt}",
                       f"--image={tmp_path / 'image.png'}")
   assert stdout.startswith(prompt + tokenizer.decode(new) + "\n")
+
+
+@pytest.mark.parametrize("name", ["sample", "eval", "chat"])
+def test_an_apps_help_lists_its_model_flags(name):
+  """They are defined in gemma_jax.apps, and absl's --help showed only --helpfull's."""
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", f"{name}.py"),
+                           "--help"], capture_output=True, text=True, timeout=120, check=False)
+  listed = {line.split(":")[0].strip() for line in result.stdout.splitlines()
+            if line.startswith("  --")}
+  assert {"--workdir", "--hf_dir", "--tokenizer", "--quant"} <= listed, result.stdout
