@@ -159,7 +159,12 @@ def preprocess_image(image: Union[str, os.PathLike, np.ndarray, Any], *, patch_s
 
 def preprocess_images(images: Sequence[Any], *, patch_size: int = 16, pooling_kernel: int = 3,
                       max_soft_tokens: int = 280) -> ImagePatches:
-  """Several images (files, PIL images or arrays) -> `ImagePatches` stacked on I."""
+  """Several images (files, PIL images or arrays) -> `ImagePatches` stacked on I (I may
+  be 0)."""
+  if not images:
+    slots = max_soft_tokens * pooling_kernel ** 2
+    return ImagePatches(np.zeros((0, slots, 3 * patch_size ** 2), np.float32),
+                        np.zeros((0, slots, 2), np.int32))
   each = [preprocess_image(image, patch_size=patch_size, pooling_kernel=pooling_kernel,
                            max_soft_tokens=max_soft_tokens) for image in images]
   return ImagePatches(np.stack([e.patches for e in each]), np.stack([e.positions for e in each]))

@@ -183,7 +183,9 @@ def preprocess_image(image: Union[str, os.PathLike, np.ndarray, Any],
 
 
 def preprocess_images(images: Sequence[Any], image_size: int = 896) -> np.ndarray:
-  """Several images (files, PIL images or arrays) -> float32 [I, S, S, 3]."""
+  """Several images (files, PIL images or arrays) -> float32 [I, S, S, 3] (I may be 0)."""
+  if not images:
+    return np.zeros((0, image_size, image_size, 3), np.float32)
   return np.stack([preprocess_image(image, image_size) for image in images])
 
 

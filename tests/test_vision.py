@@ -435,6 +435,16 @@ def test_empty_images_are_named(image):
       preprocess(image)
 
 
+def test_no_images_preprocess_to_an_empty_batch_of_the_same_shape():
+  """numpy's stack failed on an empty list ("need at least one array to stack")."""
+  image = np.zeros((30, 40, 3), np.uint8)
+  for preprocess in (functools.partial(image_inputs.preprocess_images, image_size=28),
+                     gemma4_images.preprocess_images):
+    empty, one = preprocess([]), preprocess([image])
+    for got, want in zip(jax.tree.leaves(empty), jax.tree.leaves(one)):
+      assert got.shape == (0,) + want.shape[1:] and got.dtype == want.dtype
+
+
 # ----------------------------------------------------------------------------- prompts
 
 
