@@ -637,7 +637,8 @@ def _validate_training(config: config_dict.ConfigDict) -> None:
   free = [axis for axis, size in sizes.items() if size == -1]
   if len(free) > 1:
     raise ConfigError(f"mesh.{free[1]}", f"only one mesh axis may be -1 (the devices left "
-                      f"over), got {free}")
+                      f"over), got {free}: set the others' sizes (mesh.data is -1 by "
+                      "default: e.g. mesh.data=1)")
 
   integer("sample.max_new_tokens", 0)
   number("sample.temperature", "[0, inf)")

@@ -80,8 +80,10 @@ def mesh_shape(mesh_config: config_dict.ConfigDict, num_devices: int) -> dict:
   free = [axis for axis, size in sizes.items() if size == -1]
   if free:
     if num_devices % fixed:
-      raise ConfigError(f"mesh.{free[0]}", f"the other axes ({fixed} ways) do not divide "
-                        f"the {num_devices} devices")
+      fixed_axes = ", ".join(f"{a}={s}" for a, s in sizes.items() if s != -1)
+      raise ConfigError(f"mesh.{free[0]}", f"-1 takes the devices left over, but the other "
+                        f"axes ({fixed_axes}: {fixed} ways) do not divide the {num_devices} "
+                        "devices")
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
     raise ConfigError("mesh", f"axes {sizes} span {fixed} devices, but there are "

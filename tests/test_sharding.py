@@ -254,12 +254,15 @@ def test_fsdp8_device_holds_an_eighth_plus_small_vectors():
 
 
 def test_mesh_errors_name_the_axis():
-  with pytest.raises(gj.ConfigError, match="do not divide the 8 devices") as error:
+  with pytest.raises(gj.ConfigError, match=r"-1 takes the devices left over, but the other "
+                     r"axes \(fsdp=3, tensor=1, expert=1: 3 ways\) do not divide the 8 "
+                     "devices") as error:
     sharding.mesh_shape(config_with(dict(fsdp=3)).mesh, 8)
   assert error.value.field == "mesh.data"
   with pytest.raises(gj.ConfigError, match="span 4 devices, but there are 8"):
     sharding.mesh_shape(config_with(dict(data=2, fsdp=2)).mesh, 8)
-  with pytest.raises(gj.ConfigError, match="only one mesh axis may be -1") as error:
+  with pytest.raises(gj.ConfigError, match="only one mesh axis may be -1 .* e.g. mesh.data=1"
+                     ) as error:
     gj.validate(config_with(dict(fsdp=-1)))
   assert error.value.field == "mesh.fsdp"
   with pytest.raises(gj.ConfigError, match="positive integer or -1") as error:
