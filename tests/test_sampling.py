@@ -133,6 +133,27 @@ def gpt3_greedy_after_abc(new_tokens):
   return config, params, tokenizer, row[0, 4:4 + new_tokens]
 
 
+def test_sampler_compiles_once_per_bucket_and_equals_the_exact_shapes(checkpoint):
+  """Prompts of 3 to 5 ids and 17 or 18 new tokens share one program (16 positions, 32
+  tokens, the loop bounded at the call's count); each sample equals greedy `generate`
+  on the exact prompt and count, unpadded."""
+  _, config, params, _, _, dec = checkpoint
+  tokenizer = tokenizers.ByteTokenizer()
+  sample = sampler.Sampler(config, params, tokenizer, cache_dtype="float32")
+  stops = np.asarray(tokenizer.stop_ids, np.int32)
+  for prompt, new in (("ab", 17), ("abcd", 18), ("abc", 17)):
+    got = sample.sample([prompt], max_new_tokens=new).tokens[0]
+    ids = np.asarray([[tokenizer.bos_id, *tokenizer.encode([prompt])[0]]], np.int32)
+    exact = np.asarray(sampler.generate(
+        dec, params, ids, np.asarray([ids.shape[1]], np.int32), jax.random.key(0), stops,
+        max_new_tokens=new, cache_length=ids.shape[1] + new - 1, cache_dtype="float32"))[0]
+    hit = np.isin(exact, stops)
+    np.testing.assert_array_equal(got, exact[:np.argmax(hit)] if hit.any() else exact)
+    assert len(got) > 8, got   # compared over many tokens, not a stop at once
+  assert len(sample._compiled) == 1   # pylint: disable=protected-access
+  assert [sampler.bucket(n) for n in (1, 16, 17, 256, 257, 600)] == [16, 16, 32, 256, 512, 768]
+
+
 def test_sampler_refuses_new_tokens_past_the_learned_positions():
   """GPT-3 with a table of 16 positions, a byte-level prompt of BOS + 3 bytes: 13 new
   tokens reach position 15 and are the full forward's greedy ones; 14 would need

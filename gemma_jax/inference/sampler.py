@@ -73,10 +73,10 @@ def choose(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int 
     "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "pad_id", "cache_length",
     "cache_dtype"))
 def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, lengths: jax.Array,
-             rng: jax.Array, eos_ids: jax.Array, images: Optional[jax.Array] = None, *,
-             max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, pad_id: int = 0, cache_length: int,
-             cache_dtype: str) -> jax.Array:
+             rng: jax.Array, eos_ids: jax.Array, images: Optional[jax.Array] = None,
+             limit: Optional[jax.Array] = None, *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, pad_id: int = 0,
+             cache_length: int, cache_dtype: str) -> jax.Array:
   """Continues right-padded prompts [B, P] of `lengths` [B] tokens: [B, N] int32.
 
   Row b holds its new tokens up to and including its first id in `eos_ids` [E] (E may
@@ -84,6 +84,8 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
   max(lengths) + N - 1, global layers forget their oldest keys as in `prefill` (`Sampler`
   always sizes them to fit). Options as in `choose`; `rng` is split once per step. `images` (see
   `Transformed.apply`) fill the prompts' image placeholder spans (a model with vision).
+  `limit` (an int scalar, traced: one program serves every value) stops the loop after
+  that many tokens, the rest of the N columns `pad_id`.
   """
   params = decoding.unrolled(params)   # once, not in every step of the loop
   logits, cache = decoding.prefill(params, prompts, lengths, cache_length=cache_length,
@@ -99,9 +101,11 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
   token, done, rng = pick(logits, rng, jnp.zeros(prompts.shape[:1], bool))
   out = jnp.full((prompts.shape[0], max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
 
+  bound = max_new_tokens if limit is None else jnp.minimum(limit, max_new_tokens)
+
   def unfinished(carry):
     index, _, _, _, done, _ = carry
-    return (index < max_new_tokens) & ~jnp.all(done)
+    return (index < bound) & ~jnp.all(done)
 
   def step(carry):
     index, token, cache, out, done, rng = carry
@@ -112,6 +116,15 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
 
   carry = (jnp.asarray(1), token, cache, out, done, rng)
   return jax.lax.while_loop(unfinished, step, carry)[3]
+
+
+def bucket(n: int) -> int:
+  """The size a prompt width or token count `n` is compiled for: the next power of two
+  from 16 up to 256, then the next multiple of 256 (at most 2x the prefill's positions,
+  and under 256 more past 256); `Sampler` compiles once per bucket."""
+  if n <= 256:
+    return max(16, 1 << (n - 1).bit_length())
+  return -(-n // 256) * 256
 
 
 class Samples(NamedTuple):
@@ -171,28 +184,35 @@ class Sampler:
     if images is not None:
       rows, pixels = towers.prompts_with_images(rows, images, self.config.model, t.encode)
     lengths = np.asarray([len(row) for row in rows], np.int32)
-    tokens = np.full((len(rows), lengths.max()), t.pad_id, np.int32)
+    width = int(lengths.max())
+    table = self.config.model.trainable_position_size
+    if table and width + max_new_tokens - 1 > table:
+      raise ValueError(f"max_new_tokens={max_new_tokens} after a {width}-token prompt "
+                       f"needs positions up to {width + max_new_tokens - 2}, past the learned "
+                       f"position table [0, config.model.trainable_position_size={table})")
+    # One program serves every width and token count of a bucket: the prompts are
+    # right-padded to it, and the loop stops at max_new_tokens (a traced bound).
+    padded, new_tokens = bucket(width), bucket(max_new_tokens)
+    if table and padded + new_tokens - 1 > table:
+      padded, new_tokens = width, max_new_tokens
+    tokens = np.full((len(rows), padded), t.pad_id, np.int32)
     for b, row in enumerate(rows):
       tokens[b, :len(row)] = row
-    cache_length = tokens.shape[1] + max_new_tokens - 1
-    table = self.config.model.trainable_position_size
-    if table and cache_length > table:
-      raise ValueError(f"max_new_tokens={max_new_tokens} after a {tokens.shape[1]}-token prompt "
-                       f"needs positions up to {cache_length - 1}, past the learned position "
-                       f"table [0, config.model.trainable_position_size={table})")
+    cache_length = padded + new_tokens - 1
     decoding_lib.check_prompts(tokens, lengths, cache_length, self.config.model.vocab_size)
     towers.check_image_inputs(tokens, pixels, self.config.model)   # ids concrete here
-    static = dict(max_new_tokens=max_new_tokens, temperature=float(temperature), top_k=top_k,
+    static = dict(max_new_tokens=new_tokens, temperature=float(temperature), top_k=top_k,
                   top_p=float(top_p), pad_id=t.pad_id, cache_length=cache_length,
                   cache_dtype=self.cache_dtype)
     stops = np.asarray(t.stop_ids, np.int32)
-    args = (self.params, tokens, lengths, jax.random.key(seed), stops, pixels)
+    args = (self.params, tokens, lengths, jax.random.key(seed), stops, pixels,
+            np.int32(max_new_tokens))
     start = time.perf_counter()
     key = (tokens.shape, jax.tree.map(np.shape, pixels), tuple(sorted(static.items())))
     if key not in self._compiled:
       self._compiled[key] = generate.lower(self.decoding, *args, **static).compile()
     compiled = time.perf_counter()
-    out = np.asarray(self._compiled[key](*args))
+    out = np.asarray(self._compiled[key](*args))[:, :max_new_tokens]
     seconds = time.perf_counter() - compiled
     stopped = np.isin(out, stops)
     new = [row[:np.argmax(hit)] if hit.any() else row for row, hit in zip(out, stopped)]
