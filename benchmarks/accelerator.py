@@ -231,7 +231,7 @@ def decode(batch_size: int, params) -> dict:
   run = lambda: np.asarray(sampler.generate(
       dec, params, jnp.asarray(tokens), jnp.full((batch_size,), _PROMPT.value, jnp.int32),
       jax.random.key(0), jnp.zeros((0,), jnp.int32), max_new_tokens=_NEW.value,
-      temperature=0.0, cache_length=_PROMPT.value + _NEW.value,
+      cache_length=_PROMPT.value + _NEW.value,
       cache_dtype=decoding.default_cache_dtype(config)))
   seconds = timed(run, 3)
   return {"batch_size": batch_size, "seconds": seconds,

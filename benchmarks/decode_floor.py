@@ -83,7 +83,7 @@ def ours_seconds_per_token(config, params, prompts, new_tokens: int, rounds: int
   def generate(n):
     return lambda: np.asarray(sampler.generate(
         dec, params, prompts, lengths, jax.random.key(0), jnp.zeros((0,), jnp.int32),
-        max_new_tokens=n, temperature=0.0, cache_length=prompts.shape[1] + new_tokens - 1,
+        max_new_tokens=n, cache_length=prompts.shape[1] + new_tokens - 1,
         cache_dtype=decoding.default_cache_dtype(config)))
   one, many = generate(1), generate(new_tokens)
   times = common.alternating_medians({"one": one, "many": many}, rounds)

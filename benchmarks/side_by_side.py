@@ -134,7 +134,7 @@ class Ours:
   def greedy(self) -> np.ndarray:
     return np.asarray(sampler.generate(
         self._decoding, self.params, self.prompts, self.lengths, jax.random.key(0),
-        jnp.zeros((0,), jnp.int32), max_new_tokens=_NEW.value, temperature=0.0,
+        jnp.zeros((0,), jnp.int32), max_new_tokens=_NEW.value,
         cache_length=self.prompts.shape[1] + _NEW.value - 1,
         cache_dtype=decoding.default_cache_dtype(self.config)))
 

@@ -19,6 +19,7 @@ import gemma_jax as gj
 from gemma_jax import apps
 from gemma_jax.inference import chat_session
 from gemma_jax.inference import sampler
+from gemma_jax.inference import sampling
 
 _MODEL = apps.define_model_flags()
 _SYSTEM = flags.DEFINE_string("system", None, "A system prompt for every conversation.")
@@ -58,8 +59,8 @@ def main(argv):
     config, params, tokenizer = _MODEL.load()
     session = chat_session.ChatSession(config, params, tokenizer, max_length=_MAX_LENGTH.value,
                                        system=_SYSTEM.value, cache_dtype=_CACHE_DTYPE.value)
-    sampler.check_options(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
-                          config.model.vocab_size)
+    sampling.check_options(_TEMPERATURE.value, _TOP_K.value, _TOP_P.value,
+                           config.model.vocab_size)
     sampler.check_max_new_tokens(_MAX_NEW_TOKENS.value)
     if _MAX_NEW_TOKENS.value >= session.max_length:
       raise ValueError(f"--max_new_tokens={_MAX_NEW_TOKENS.value} leaves no room for a "

@@ -202,7 +202,7 @@ def test_greedy_decoding_with_images_equals_transformers_generate():
   ours = np.asarray(sampler.generate(
       decoding.make_decoding(config), params, tokens, lengths, jax.random.key(0),
       np.zeros((0,), np.int32), images, max_new_tokens=NEW,
-      cache_length=tokens.shape[1] + NEW, cache_dtype="float32", temperature=0.0))
+      cache_length=tokens.shape[1] + NEW, cache_dtype="float32"))
   model, _, flat = reference()
   first = [0, 2]                            # row b's images in the flat processor output
   for b, length in enumerate(lengths):

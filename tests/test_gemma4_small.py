@@ -122,7 +122,7 @@ def test_greedy_decoding_equals_transformers_generate(tmp_path):
   dec = decoding.make_decoding(config)
   ours = np.asarray(sampler.generate(
       dec, params, prompts, lengths, jax.random.key(0), np.zeros((0,), np.int32),
-      max_new_tokens=NEW, cache_length=9 + NEW, cache_dtype="float32", temperature=0.0))
+      max_new_tokens=NEW, cache_length=9 + NEW, cache_dtype="float32"))
   for b, length in enumerate(lengths):
     with torch.no_grad():
       theirs = model.generate(torch.as_tensor(prompts[b:b + 1, :length]), do_sample=False,

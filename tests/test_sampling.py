@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gemma_jax as gj
-from gemma_jax.inference import decoding, sampler
+from gemma_jax.inference import decoding, sampler, sampling
 from gemma_jax.training import tokenizers
 from test_hf import VOCAB, random_model
 
@@ -43,11 +43,10 @@ def checkpoint(tmp_path_factory):
 
 def run(checkpoint, seed=0, eos=1, **options):
   _, _, params, prompts, lengths, dec = checkpoint
-  options = dict(dict(temperature=0.0), **options)
   return np.asarray(sampler.generate(
       dec, params, prompts, lengths, jax.random.key(seed),
-      np.asarray([eos], np.int32), max_new_tokens=NEW, cache_length=7 + NEW - 1,
-      cache_dtype="float32", **options))
+      np.asarray([eos], np.int32), options=sampling.Sampling.of(**options),
+      max_new_tokens=NEW, cache_length=7 + NEW - 1, cache_dtype="float32"))
 
 
 def until_eos(row, eos):
@@ -95,8 +94,8 @@ def test_seeded_sampling_is_reproducible(checkpoint):
     (dict(temperature=1.0), list(range(7))),
 ])
 def test_top_k_and_top_p_emit_only_allowed_tokens(options, allowed):
-  picks = np.asarray(jax.jit(lambda l, k: sampler.choose(l, k, **options))(
-      built_logits(4000), jax.random.key(0)))
+  picks = np.asarray(jax.jit(sampling.choose)(
+      built_logits(4000), jax.random.key(0), sampling.Sampling.of(**options)))
   assert set(picks.tolist()) == set(ORDER[allowed].tolist())
   expected = PROBS[allowed] ** (1 / options["temperature"])
   frequencies = [np.mean(picks == ORDER[i]) for i in allowed]
@@ -104,7 +103,88 @@ def test_top_k_and_top_p_emit_only_allowed_tokens(options, allowed):
 
 
 def test_greedy_is_the_argmax():
-  assert sampler.choose(jnp.asarray(built_logits(1)), None, temperature=0.0)[0] == ORDER[0]
+  assert sampling.choose(jnp.asarray(built_logits(1)), None, sampling.GREEDY)[0] == ORDER[0]
+
+
+def nucleus_float64(logits, top_p):
+  """The top-p nucleus of each row by sorting, in float64: [B, V] bool."""
+  kept = np.zeros(logits.shape, bool)
+  for b, row in enumerate(logits.astype(np.float64)):
+    descending = np.sort(row)[::-1]
+    probs = np.exp(descending - descending[0])
+    probs /= probs.sum()
+    mass_before = np.cumsum(probs) - probs
+    kept[b] = row >= descending[mass_before < top_p].min()
+  return kept
+
+
+@pytest.mark.parametrize("vocab", [10, 4099])
+def test_nucleus_by_bisection_equals_sorting_in_float64(vocab):
+  """Rows of many scales, with ties (rounded logits) and -inf; each top_p kept away from
+  the rows' cumulative masses so that float32 rounding cannot decide a token."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(6, vocab)) * np.array([0.5, 1, 3, 8, 1, 3])[:, None]
+  logits[4:] = np.round(logits[4:])
+  logits[1, ::3] = -np.inf
+  logits = logits.astype(np.float32)
+  cut = jax.jit(sampling.nucleus)
+  checked = 0
+  for top_p in (0.05, 0.3, 0.5, 0.8, 0.95, 0.999):
+    expected = nucleus_float64(logits, top_p)
+    got = np.isfinite(np.asarray(cut(logits, np.float32(top_p))))
+    for b in range(len(logits)):
+      row = logits[b].astype(np.float64)
+      probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+      if np.min(np.abs(np.cumsum(np.sort(probs)[::-1]) - top_p)) < 1e-5:
+        continue
+      np.testing.assert_array_equal(got[b], expected[b], err_msg=f"row {b}, top_p {top_p}")
+      checked += 1
+  assert checked >= 30, checked
+
+
+def test_draws_follow_the_softmax_and_never_pick_impossible_tokens():
+  """`sampling.draw` over 1300 ids (blocks of 512, the last partial): a block all -inf,
+  holes, mass at both ends; frequencies of 200k draws within 4.5 standard deviations
+  of the float64 softmax, and rows with one possible token (first, last) draw only it."""
+  rng = np.random.default_rng(0)
+  row = rng.normal(size=1300) * 2
+  row[512:1024] = -np.inf
+  row[::7] = -np.inf
+  row[[3, 1299]] = 6.0
+  probs = np.exp(row - row.max())
+  probs /= probs.sum()
+  draws = 200_000
+  picks = np.asarray(jax.jit(sampling.draw)(
+      np.tile(row.astype(np.float32), (draws, 1)), jax.random.key(5)))
+  counts = np.bincount(picks, minlength=1300)
+  assert counts[probs == 0].sum() == 0
+  sigma = np.sqrt(draws * probs * (1 - probs))
+  assert np.all(np.abs(counts - draws * probs) <= 4.5 * sigma + 1), np.max(
+      np.abs(counts - draws * probs) / (sigma + 1e-9))
+  single = np.full((2, 1300), -np.inf, np.float32)
+  single[0, 0] = single[1, 1299] = 0.0
+  for seed in range(20):
+    np.testing.assert_array_equal(sampling.draw(single, jax.random.key(seed)), [0, 1299])
+
+
+def test_options_share_a_program_across_values():
+  """Temperatures, p values and k up to the same power of two (at least 64) reuse one
+  compiled choice; greedy, no top-k and no nucleus are programs of their own. Each draw
+  stays among the tokens its own options allow."""
+  choose = jax.jit(lambda *args: sampling.choose(*args))   # a cache of its own
+  logits = built_logits(2000)
+  for temperature, top_k, top_p, allowed in ((1.0, 3, 0.999, [0, 1, 2]), (0.5, 2, 0.9, [0, 1]),
+                                            (2.0, 5, 0.5, [0, 1]), (1.0, 1, 0.99, [0])):
+    picks = np.asarray(choose(logits, jax.random.key(0),
+                              sampling.Sampling.of(temperature, top_k, top_p)))
+    assert set(picks.tolist()) == set(ORDER[allowed].tolist()), (temperature, top_k, top_p)
+  assert choose._cache_size() == 1   # pylint: disable=protected-access
+  for options in (sampling.GREEDY, sampling.Sampling.of(1.0, 0, 0.5),
+                  sampling.Sampling.of(1.0, 3, 1.0), sampling.Sampling.of(1.0, 65, 0.5)):
+    choose(logits, jax.random.key(0), options)
+  assert choose._cache_size() == 5   # pylint: disable=protected-access
+  greedy_with_others = sampling.Sampling.of(0.0, 40, 0.5)   # greedy ignores k and p
+  assert jax.tree.structure(greedy_with_others) == jax.tree.structure(sampling.GREEDY)
 
 
 @pytest.mark.parametrize("options, message", [
@@ -114,7 +194,7 @@ def test_greedy_is_the_argmax():
 ])
 def test_bad_options_name_themselves(options, message):
   with pytest.raises(ValueError, match=message):
-    sampler.check_options(**dict(dict(temperature=1.0, top_k=0, top_p=1.0), **options))
+    sampling.Sampling.of(**dict(dict(temperature=1.0, top_k=0, top_p=1.0), **options))
 
 
 def gpt3_greedy_after_abc(new_tokens):
@@ -152,6 +232,33 @@ def test_sampler_compiles_once_per_bucket_and_equals_the_exact_shapes(checkpoint
     assert len(got) > 8, got   # compared over many tokens, not a stop at once
   assert len(sample._compiled) == 1   # pylint: disable=protected-access
   assert [sampler.bucket(n) for n in (1, 16, 17, 256, 257, 600)] == [16, 16, 32, 256, 512, 768]
+
+
+def test_sampler_compiles_once_for_any_values_of_its_options(checkpoint):
+  """New temperatures, p values and k of the same power of two reuse the Sampler's
+  program; each draw repeats under its seed and matches `generate` given the same
+  options."""
+  _, config, params, _, _, dec = checkpoint
+  tokenizer = tokenizers.ByteTokenizer()
+  sample = sampler.Sampler(config, params, tokenizer, cache_dtype="float32")
+  runs = [dict(temperature=0.7, top_k=40, top_p=0.9, seed=0),
+          dict(temperature=1.3, top_k=50, top_p=0.8, seed=1),
+          dict(temperature=1.0, top_k=3, top_p=0.99, seed=2)]
+  got = [sample.sample(["abc"], max_new_tokens=12, **run).tokens[0] for run in runs]
+  assert len(sample._compiled) == 1   # pylint: disable=protected-access
+  ids = np.asarray([[tokenizer.bos_id, *tokenizer.encode(["abc"])[0]]], np.int32)
+  stops = np.asarray(tokenizer.stop_ids, np.int32)
+  for run, tokens in zip(runs, got):
+    seed = run.pop("seed")
+    again = sample.sample(["abc"], max_new_tokens=12, seed=seed, **run).tokens[0]
+    np.testing.assert_array_equal(again, tokens)
+    exact = np.asarray(sampler.generate(
+        dec, params, np.pad(ids, ((0, 0), (0, 12))), np.asarray([4], np.int32),
+        jax.random.key(seed), stops, options=sampling.Sampling.of(**run, vocab_size=VOCAB),
+        max_new_tokens=16, cache_length=16 + 16 - 1, cache_dtype="float32"))[0, :12]
+    hit = np.isin(exact, stops)
+    np.testing.assert_array_equal(tokens, exact[:np.argmax(hit)] if hit.any() else exact)
+  assert len({tuple(t) for t in got}) > 1
 
 
 def test_sampler_refuses_new_tokens_past_the_learned_positions():
@@ -228,7 +335,7 @@ def test_sampler_refuses_images_that_do_not_match_the_markers(prompts, images, m
 
 def test_top_k_past_the_vocabulary_is_named():
   with pytest.raises(ValueError, match=r"top_k=11 exceeds the vocabulary of 10 tokens"):
-    sampler.choose(jnp.asarray(built_logits(1)), jax.random.key(0), temperature=1.0, top_k=11)
+    sampling.Sampling.of(temperature=1.0, top_k=11, vocab_size=10)
   config = gj.get_config("gpt3-52k")
   params = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
   sample = sampler.Sampler(config, params, tokenizers.ByteTokenizer()).sample

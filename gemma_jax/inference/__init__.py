@@ -4,5 +4,7 @@ multi-turn chat over one cache."""
 from gemma_jax.inference.chat_session import ChatSession
 from gemma_jax.inference.decoding import Cache, Decoding, make_decoding
 from gemma_jax.inference.sampler import Sampler, Samples, generate
+from gemma_jax.inference.sampling import Sampling
 
-__all__ = ["Cache", "ChatSession", "Decoding", "Sampler", "Samples", "generate", "make_decoding"]
+__all__ = ["Cache", "ChatSession", "Decoding", "Sampler", "Samples", "Sampling", "generate",
+           "make_decoding"]

@@ -20,6 +20,9 @@ from ml_collections import config_dict
 from gemma_jax import chat
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.inference import sampler
+from gemma_jax.inference import sampling
+
+_choose = jax.jit(sampling.choose)   # one program per kind of options, whatever their values
 from gemma_jax.quant import kv_cache
 
 
@@ -107,7 +110,7 @@ class ChatSession:
       ValueError: a sampling option out of range, `max_new_tokens` < 1, or a turn that
         would take the conversation past `max_length` positions.
     """
-    sampler.check_options(temperature, top_k, top_p, self.config.model.vocab_size)
+    options = sampling.Sampling.of(temperature, top_k, top_p, self.config.model.vocab_size)
     sampler.check_max_new_tokens(max_new_tokens)
     turn = self._turn_ids(text)
     needed = len(self.ids) + len(turn) + max_new_tokens
@@ -123,17 +126,17 @@ class ChatSession:
                           np.int32))
     self.ids += turn.tolist()
     self._unfed = None
-    return self._reply(max_new_tokens, jax.random.key(seed),
-                       dict(temperature=temperature, top_k=top_k, top_p=top_p))
+    return self._reply(max_new_tokens, jax.random.key(seed), options)
 
-  def _reply(self, max_new_tokens: int, rng: jax.Array, options: dict) -> Iterator[str]:
+  def _reply(self, max_new_tokens: int, rng: jax.Array,
+             options: sampling.Sampling) -> Iterator[str]:
     """Samples the reply token by token. Each token sampled is in `ids` and, until the
     cache holds it, in `_unfed`, so wherever the reader stops, `ids` and the cache agree."""
     reply, shown = [], ""
     self.reply_cut = False
     for _ in range(max_new_tokens):
       rng, key = jax.random.split(rng)
-      token = int(sampler.choose(self.logits[None], key, **options)[0])
+      token = int(_choose(self.logits[None], key, options)[0])
       self.ids.append(token)
       self._unfed = token
       if token in self.tokenizer.stop_ids:

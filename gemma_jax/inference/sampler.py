@@ -1,4 +1,4 @@
-"""Sampling: greedy, temperature, top-k and top-p, the whole loop inside jit.
+"""Sampling from a model, the whole loop inside jit (token choice: `sampling`).
 
     sampler = Sampler(config, params, tokenizer)
     text = sampler("def ", max_new_tokens=64, temperature=0.8, top_p=0.95, seed=0)
@@ -21,22 +21,9 @@ from ml_collections import config_dict
 
 from gemma_jax.inference import decode_jit
 from gemma_jax.inference import decoding as decoding_lib
+from gemma_jax.inference import sampling
 from gemma_jax.models import towers
 from gemma_jax.quant import kv_cache
-
-
-def check_options(temperature: float, top_k: int, top_p: float,
-                  vocab_size: Optional[int] = None) -> None:
-  """Raises ValueError naming the first sampling option out of range (top_k against
-  `vocab_size` when given)."""
-  if not temperature >= 0:
-    raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
-  if not (isinstance(top_k, int) and top_k >= 0):
-    raise ValueError(f"top_k must be an integer >= 0 (0: all tokens), got {top_k!r}")
-  if vocab_size is not None and top_k > vocab_size:
-    raise ValueError(f"top_k={top_k} exceeds the vocabulary of {vocab_size} tokens")
-  if not 0 < top_p <= 1:
-    raise ValueError(f"top_p must lie in (0, 1] (1: all tokens), got {top_p}")
 
 
 def check_max_new_tokens(max_new_tokens: int) -> None:
@@ -45,44 +32,20 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
     raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
 
 
-def choose(logits: jax.Array, rng: jax.Array, *, temperature: float, top_k: int = 0,
-           top_p: float = 1.0) -> jax.Array:
-  """logits [B, V] -> token ids [B] int32.
-
-  temperature 0 is greedy (argmax). Otherwise a sample from softmax(logits / temperature)
-  restricted to the top_k likeliest tokens (0: all), then to the smallest set of the
-  likeliest whose probability reaches top_p (1: all), in that order.
-  """
-  check_options(temperature, top_k, top_p, vocab_size=logits.shape[-1])
-  if temperature == 0:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  logits = logits.astype(jnp.float32) / temperature
-  if top_k:
-    kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if top_p < 1:
-    descending = -jnp.sort(-logits, axis=-1)
-    probs = jax.nn.softmax(descending, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs   # of the likelier tokens
-    threshold = jnp.min(jnp.where(mass_before < top_p, descending, jnp.inf), axis=-1)
-    logits = jnp.where(logits < threshold[:, None], -jnp.inf, logits)
-  return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
-
-
 @functools.partial(decode_jit.jit, static_argnames=(
-    "decoding", "max_new_tokens", "temperature", "top_k", "top_p", "pad_id", "cache_length",
-    "cache_dtype"))
+    "decoding", "max_new_tokens", "pad_id", "cache_length", "cache_dtype"))
 def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, lengths: jax.Array,
              rng: jax.Array, eos_ids: jax.Array, images: Optional[jax.Array] = None,
-             limit: Optional[jax.Array] = None, *, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, pad_id: int = 0,
-             cache_length: int, cache_dtype: str) -> jax.Array:
+             limit: Optional[jax.Array] = None, options: sampling.Sampling = sampling.GREEDY,
+             *, max_new_tokens: int, pad_id: int = 0, cache_length: int,
+             cache_dtype: str) -> jax.Array:
   """Continues right-padded prompts [B, P] of `lengths` [B] tokens: [B, N] int32.
 
   Row b holds its new tokens up to and including its first id in `eos_ids` [E] (E may
   be 0), then `pad_id`. The caches cover `cache_length` positions: with fewer than
   max(lengths) + N - 1, global layers forget their oldest keys as in `prefill` (`Sampler`
-  always sizes them to fit). Options as in `choose`; `rng` is split once per step. `images` (see
+  always sizes them to fit). `options` (`sampling.Sampling`; greedy by default) pick
+  each token, their values traced; `rng` is split once per step. `images` (see
   `Transformed.apply`) fill the prompts' image placeholder spans (a model with vision).
   `limit` (an int scalar, traced: one program serves every value) stops the loop after
   that many tokens, the rest of the N columns `pad_id`.
@@ -94,7 +57,7 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
 
   def pick(logits, rng, done):
     rng, key = jax.random.split(rng)
-    token = choose(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+    token = sampling.choose(logits, key, options)
     token = jnp.where(done, pad_id, token)
     return token, done | jnp.isin(token, eos), rng
 
@@ -164,7 +127,9 @@ class Sampler:
   def sample(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              images: Optional[Sequence[Sequence]] = None) -> Samples:
-    """Continues each prompt by up to `max_new_tokens` tokens; options as in `choose`.
+    """Continues each prompt by up to `max_new_tokens` tokens; options as in
+    `sampling.Sampling.of` (any values share a program: only greedy or not, top_k's
+    power of two and whether top_p < 1 compile anew).
 
     images: per prompt, its images (files, PIL images or arrays; a model with vision).
       Each fills the prompt's next image marker (Gemma 3: `vision.boi_token_id`,
@@ -172,7 +137,7 @@ class Sampler:
       as many markers as images); a prompt without markers gets one per image in front
       of its text.
     """
-    check_options(temperature, top_k, top_p, vocab_size=self.config.model.vocab_size)
+    options = sampling.Sampling.of(temperature, top_k, top_p, self.config.model.vocab_size)
     check_max_new_tokens(max_new_tokens)
     if isinstance(prompts, str) or not prompts:
       raise ValueError(f"prompts must be a non-empty sequence of strings, got {prompts!r}"
@@ -201,14 +166,14 @@ class Sampler:
     cache_length = padded + new_tokens - 1
     decoding_lib.check_prompts(tokens, lengths, cache_length, self.config.model.vocab_size)
     towers.check_image_inputs(tokens, pixels, self.config.model)   # ids concrete here
-    static = dict(max_new_tokens=new_tokens, temperature=float(temperature), top_k=top_k,
-                  top_p=float(top_p), pad_id=t.pad_id, cache_length=cache_length,
+    static = dict(max_new_tokens=new_tokens, pad_id=t.pad_id, cache_length=cache_length,
                   cache_dtype=self.cache_dtype)
     stops = np.asarray(t.stop_ids, np.int32)
     args = (self.params, tokens, lengths, jax.random.key(seed), stops, pixels,
-            np.int32(max_new_tokens))
+            np.int32(max_new_tokens), options)
     start = time.perf_counter()
-    key = (tokens.shape, jax.tree.map(np.shape, pixels), tuple(sorted(static.items())))
+    key = (tokens.shape, jax.tree.map(np.shape, pixels), jax.tree.structure(options),
+           tuple(sorted(static.items())))
     if key not in self._compiled:
       self._compiled[key] = generate.lower(self.decoding, *args, **static).compile()
     compiled = time.perf_counter()
