@@ -38,7 +38,7 @@ from gemma_jax import hf_vision
 from gemma_jax import quant
 from gemma_jax import safetensors_io
 from gemma_jax import sharded_read
-from gemma_jax.decoder import layer_types, stack_layers, unstack_layers
+from gemma_jax.decoder import layer_types, scan_segments, stack_layers, unstack_layers
 from gemma_jax.transformer import transform
 
 _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu",
@@ -578,6 +578,8 @@ def _check_params(config: config_dict.ConfigDict, flat: dict) -> None:
   """A CheckpointError naming each of the (unrolled) parameters `flat` that the config's
   model lacks, has no place for, or holds in another shape."""
   expected = flax.traverse_util.flatten_dict(_unrolled_shapes(config))
+  scanned = {f"layers_{s.start + i}" for s in scan_segments(config.model)
+             for i in range(s.count * len(config.model.attention_pattern))}
   missing = ["/".join(key) for key in expected if key not in flat]
   unexpected = sorted("/".join(key) for key in flat if key not in expected)
   mismatched = [f"{'/'.join(key)}: {np.shape(flat[key])} != expected {shape.shape}"
@@ -665,6 +667,8 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
   family = _family(config.model.block_type)
   tensors, unexpected = family.model_tensors(_read_tensors(path))
   expected = flax.traverse_util.flatten_dict(_unrolled_shapes(config))
+  scanned = {f"layers_{s.start + i}" for s in scan_segments(config.model)
+             for i in range(s.count * len(config.model.attention_pattern))}
   params, missing, mismatched, used = {}, [], [], set()
   for key, shape in expected.items():
     name = family.tensor_name(key)
@@ -677,16 +681,20 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
       problem = f"{name}: {value}"
       mismatched += [] if problem in mismatched else [problem]
       continue
-    params[key] = value if shardings else np.asarray(value, dtype=np.dtype(param_dtype))
+    # Read now (into the layout numpy keeps: the stored tensor's memory order) unless a
+    # mesh reads it by parts or the scan stacks it: a stack reads its layers into place.
+    later = shardings or key[0] in scanned
+    params[key] = value if later else np.asarray(value, dtype=np.dtype(param_dtype))
   unexpected += sorted(set(tensors) - used - _unused_by_shared_layers(config.model))
   problems = _misfits("tensors", missing, unexpected, mismatched)
   if problems:
     raise CheckpointError(f"{path}: {problems}")
-  params = flax.traverse_util.unflatten_dict(params)
-  if not shardings:
-    return config, stack_layers(params, config.model)
-  views = stack_layers(params, config.model, stack_leaves=sharded_read.LayerStack)
-  return config, sharded_read.place(views, shardings, np.dtype(param_dtype))
+  views = stack_layers(flax.traverse_util.unflatten_dict(params), config.model,
+                       stack_leaves=sharded_read.LayerStack)
+  if shardings:
+    return config, sharded_read.place(views, shardings, np.dtype(param_dtype))
+  return config, jax.tree.map(lambda view: sharded_read.read(view, np.dtype(param_dtype)),
+                              views, is_leaf=lambda x: isinstance(x, sharded_read.LayerStack))
 
 
 def _write_json(file: str, value: dict) -> None:
