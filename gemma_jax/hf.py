@@ -559,12 +559,15 @@ def _unused_by_shared_layers(m: config_dict.ConfigDict) -> set:
 
 
 def _unrolled_shapes(config: config_dict.ConfigDict) -> dict:
-  """The model's parameter shapes, layers unrolled, without LoRA adapters."""
-  unrolled = config_dict.ConfigDict(config.to_dict())
-  unrolled.model.scan_layers = False
-  unrolled.lora.rank = 0
+  """The model's parameter shapes, layers unrolled, without LoRA adapters: traced with
+  the layers in a rolled scan (each period once; gemma3-27b 1.0 s instead of 3.3) and
+  unstacked."""
+  scanned = config_dict.ConfigDict(config.to_dict())
+  scanned.model.update(scan_layers=True, scan_unroll="none")
+  scanned.lora.rank = 0
   tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
-  return jax.eval_shape(transform(unrolled).init, jax.random.key(0), tokens)
+  shapes = jax.eval_shape(transform(scanned).init, jax.random.key(0), tokens)
+  return jax.eval_shape(lambda params: unstack_layers(params, scanned.model), shapes)
 
 
 def _misfits(what: str, missing: list, unexpected: list, mismatched: list) -> str:
