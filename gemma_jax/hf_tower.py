@@ -83,4 +83,4 @@ class TowerLayout(NamedTuple):
       value = value.transpose(3, 2, 0, 1)   # [p, p, C, W] -> [W, C, p, p]
     elif path[-1] == "bias":
       value = value.reshape(-1)
-    return self.saved_name(tensor.name), np.ascontiguousarray(value)
+    return self.saved_name(tensor.name), value

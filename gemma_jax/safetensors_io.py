@@ -77,7 +77,7 @@ def read(path: str) -> Dict[str, np.ndarray]:
 def _layout(tensors: Mapping[str, np.ndarray]) -> Iterator[Tuple[str, np.ndarray, dict]]:
   offset = 0
   for name in sorted(tensors):
-    array = np.ascontiguousarray(tensors[name])
+    array = np.asarray(tensors[name])
     if array.dtype not in NAMES:
       raise ValueError(f"tensor {name} has unsupported dtype {array.dtype}")
     entry = {"dtype": NAMES[array.dtype], "shape": list(array.shape),
@@ -87,7 +87,9 @@ def _layout(tensors: Mapping[str, np.ndarray]) -> Iterator[Tuple[str, np.ndarray
 
 
 def write(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] = None):
-  """Writes tensors to `path` (a temporary file first, synced and renamed when complete)."""
+  """Writes tensors to `path` (a temporary file first, synced and renamed when complete).
+  Each tensor is put in C order only as it is written (one at a time, not all at once)
+  and written from its own buffer."""
   layout = list(_layout(tensors))
   header = {name: entry for name, _, entry in layout}
   header["__metadata__"] = dict(metadata or {"format": "pt"})
@@ -98,7 +100,7 @@ def write(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, s
     f.write(struct.pack("<Q", len(encoded)))
     f.write(encoded)
     for _, array, _ in layout:
-      f.write(array.tobytes())
+      f.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
     f.flush()
     os.fsync(f.fileno())   # on disk before the rename can make it visible
   os.replace(tmp, path)
