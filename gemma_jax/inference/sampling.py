@@ -9,7 +9,8 @@ likeliest and then the top-p nucleus.
 jitted loop compiles once per shape, and every temperature, every p and every k up to
 the same power of two (at least 64) reuse that program.
 
-Dims: B batch, V vocab, K the largest k compiled for.
+Dims: B batch, V vocab, K the largest k compiled for, N blocks of S (DRAW_BLOCK)
+probabilities.
 """
 
 import dataclasses
@@ -119,8 +120,9 @@ def draw(logits: jax.Array, rng: jax.Array) -> jax.Array:
   """logits [B, V] -> [B] int32, one draw per row from softmax(logits): the inverse of
   the cumulative probability at one uniform number, located in two levels (the sums of
   blocks of DRAW_BLOCK probabilities, then within the block). A token of probability 0
-  is never drawn. On a CPU this is ~5x faster than `jax.random.categorical`, which draws
-  a Gumbel number per logit."""
+  is never drawn. `jax.random.categorical` draws a Gumbel number per logit instead: at
+  262144 logits on this project's CPU, 9.8 ms a row against 0.8 for the whole choice
+  at a temperature (`benchmarks/sampling_cost.py`)."""
   rows, vocab = logits.shape
   blocks = -(-vocab // DRAW_BLOCK)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
