@@ -12,7 +12,7 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import chat
-from gemma_jax.inference import decoding, make_decoding
+from gemma_jax.inference import decoding, make_decoding, sampler
 from gemma_jax.inference.chat_session import ChatSession
 from gemma_jax.training import tokenizers
 from test_decoding import random_params
@@ -89,6 +89,53 @@ def test_extend_past_the_caches_capacity_equals_decoding_token_by_token(
                    chunked.layers, stepped.layers)
 
 
+@pytest.mark.parametrize("preset, passes_of", [
+    ("gemma3-tiny", 512),
+    ("gemma3-tiny", 5),
+    ("gemma4-moe-tiny", 512),
+    ("gpt3-52k", 512),
+])
+def test_padded_rows_extend_as_each_row_decoded_alone(preset, passes_of, monkeypatch):
+  """Two rows right-padded to one width with `lengths`, extended together four times
+  (13 and 4, 1 and 9, 6 and 6, 2 and 11 tokens; rings of 12 and 8 slots, so both wrap,
+  one row in a pass longer than a ring): each row's logits and cache equal its own
+  tokens decoded one step at a time from its own prefill, so padding is neither stored
+  nor seen. gpt3-52k's learned table has 36 positions: row 1 ends at 35, row 0's
+  padding would reach 39."""
+  monkeypatch.setattr(decoding, "EXTEND_CHUNK", passes_of)
+  if preset == "gpt3-52k":
+    config = gj.get_config(preset)
+    config.model.trainable_position_size = config.data.seq_len = 36
+    config.model.num_layers = 2   # the second layer's keys come from the first's outputs
+    params = gj.transform(config).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  else:
+    config = small(preset, num_layers=4, attention_pattern=("local", "global"))
+    params = random_params(config)
+  sizes = [(13, 4), (1, 9), (6, 6), (2, 11)]
+  tokens = np.random.RandomState(5).randint(1, config.model.vocab_size, (2, 40))
+  dec = make_decoding(config)
+  _, cache = dec.prefill(params, jnp.asarray(tokens[:, :5]), cache_length=12,
+                         cache_dtype="float32")
+  alone = [dec.prefill(params, jnp.asarray(tokens[b:b + 1, :5]), cache_length=12,
+                       cache_dtype="float32")[1] for b in range(2)]
+  ends = [5, 5]
+  for pair in sizes:
+    padded = np.zeros((2, 16), np.int32)   # id 0: a real token id, as a pad would be
+    for b, size in enumerate(pair):
+      padded[b, :size] = tokens[b, ends[b]:ends[b] + size]
+    logits, cache = dec.extend(params, jnp.asarray(padded), cache, jnp.asarray(pair))
+    for b, size in enumerate(pair):
+      for i in range(ends[b], ends[b] + size):
+        want, alone[b] = dec.decode_step(params, jnp.asarray(tokens[b, i:i + 1]), alone[b])
+      ends[b] += size
+      np.testing.assert_allclose(logits[b], want[0], atol=2e-5)
+      assert int(cache.next_position[b]) == ends[b]
+      for kind in cache.positions:
+        np.testing.assert_array_equal(cache.positions[kind][b], alone[b].positions[kind][0])
+      jax.tree.map(lambda a, c, row=b: np.testing.assert_allclose(a[row], c[0], atol=2e-5),
+                   cache.layers, alone[b].layers)
+
+
 def test_extend_refuses_a_bad_chunk():
   config = small("gemma3-tiny")
   params = random_params(config)
@@ -98,6 +145,10 @@ def test_extend_refuses_a_bad_chunk():
     dec.extend(params, jnp.ones((2, 3), jnp.int32), cache)
   with pytest.raises(ValueError, match=r"tokens\[0, 1\] = 9999 is outside the vocabulary"):
     dec.extend(params, jnp.asarray([[3, 9999]]), cache)
+  with pytest.raises(ValueError, match=r"lengths\[0\] = 3 is outside \[1, 2\]"):
+    dec.extend(params, jnp.asarray([[3, 4]]), cache, jnp.asarray([3]))
+  with pytest.raises(ValueError, match=r"lengths must have shape \[batch\] = \(1,\)"):
+    dec.extend(params, jnp.asarray([[3, 4]]), cache, jnp.asarray([1, 2]))
 
 
 def chatty_params(config, seed=1):
@@ -164,6 +215,34 @@ def test_session_keeps_one_cache_and_equals_a_full_recomputation():
     new_ids = len(session.ids) - ids_before - sampled[turn]
     assert session.fed_chunks[fed_before:] == (
         [new_ids + (1 if turn else 0)] + [1] * (sampled[turn] - 1))
+
+
+def test_session_feeds_each_turn_at_a_bucket_width():
+  """Each turn goes in as one call right-padded to `sampler.bucket` of its length, a
+  sampled token as a call of width 1: two later turns of 29 and 28 tokens share one
+  program (width 32), where they went in as pieces of 16, 8, 4 and 1 tokens."""
+  config = small("gemma3-tiny", vocab_size=261)
+  session = ChatSession(config, chatty_params(config), tokenizers.ByteTokenizer(),
+                        max_length=256)
+  calls = []
+
+  def spy(method, lengths_at):
+    def call(*args, **kwargs):
+      calls.append((method, args[1].shape[1], int(args[lengths_at][0])))
+      return getattr(decoding_spied, method)(*args, **kwargs)
+    return call
+
+  decoding_spied = session.decoding
+  session.decoding = session.decoding._replace(prefill=spy("prefill", 2),
+                                               extend=spy("extend", 3))
+  for question in ("Hi!", "Two plus 3?", "Spell cat."):
+    calls.clear()
+    "".join(session.send(question, max_new_tokens=3))
+    turn, *replies = calls
+    assert turn[1] == sampler.bucket(turn[2]) and turn[2] == session.fed_chunks[-len(calls)]
+    assert replies == [("extend", 1, 1)] * len(replies)
+    if question != "Hi!":
+      assert turn[:2] == ("extend", 32), turn
 
 
 def test_session_refuses_a_conversation_past_max_length():

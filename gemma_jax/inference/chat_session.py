@@ -81,21 +81,28 @@ class ChatSession:
                            chat.generation_prompt_ids(t)]).astype(np.int32)
 
   def _feed(self, ids: np.ndarray) -> None:
-    """Computes `ids` [C] after the cache (prefill for the first turn). Later chunks go in
-    power-of-two pieces, so a conversation compiles `extend` for at most log2(C) sizes."""
+    """Computes `ids` [C] after the cache (prefill for the first turn), right-padded to a
+    `sampler.bucket` width: a conversation compiles the prefill and `extend` once per
+    bucket (16, 32, ..., 512 tokens; 1 for a sampled token), not once per length. Later
+    turns go in pieces of at most `decoding.EXTEND_CHUNK` tokens."""
     if self._cache is None:
+      tokens, lengths = self._padded(ids, min(sampler.bucket(len(ids)), self.max_length))
       logits, self._cache = self.decoding.prefill(
-          self.params, jnp.asarray(ids, jnp.int32)[None], cache_length=self.max_length,
+          self.params, tokens, lengths, cache_length=self.max_length,
           cache_dtype=self.cache_dtype)
     else:
-      start = 0
-      for bit in reversed(range(len(ids).bit_length())):
-        if len(ids) >> bit & 1:
-          piece = jnp.asarray(ids[start:start + (1 << bit)], jnp.int32)[None]
-          logits, self._cache = self.decoding.extend(self.params, piece, self._cache)
-          start += 1 << bit
+      for start in range(0, len(ids), decoding_lib.EXTEND_CHUNK):
+        piece = ids[start:start + decoding_lib.EXTEND_CHUNK]
+        tokens, lengths = self._padded(piece, 1 if len(piece) == 1 else sampler.bucket(len(piece)))
+        logits, self._cache = self.decoding.extend(self.params, tokens, self._cache, lengths)
     self.fed_chunks.append(len(ids))
     self.logits = logits[0]
+
+  def _padded(self, ids: np.ndarray, width: int):
+    """(`ids` right-padded to [1, width], lengths [1])."""
+    tokens = np.full((1, width), self.tokenizer.pad_id, np.int32)
+    tokens[0, :len(ids)] = ids
+    return jnp.asarray(tokens), jnp.asarray([len(ids)], jnp.int32)
 
   def send(self, text: str, *, max_new_tokens: int = 256, temperature: float = 0.0,
            top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Iterator[str]:

@@ -4,6 +4,7 @@
     logits, cache = dec.prefill(params, prompts, lengths, cache_length=256)   # [B, V]
     logits, cache = dec.decode_step(params, next_tokens, cache)               # [B, V]
     logits, cache = dec.extend(params, more_tokens, cache)     # [B, C] -> [B, V]
+    logits, cache = dec.extend(params, padded, cache, lengths)  # right-padded rows
 
 Prompts are right-padded rows [B, P] with `lengths` [B] real tokens each; a row's
 tokens sit at positions 0, 1, ... and every row decodes at its own position. Each layer
@@ -102,22 +103,28 @@ def _ring_sources(lengths: jax.Array, size: int):
   return jnp.maximum(latest, 0), jnp.where(latest >= 0, latest, -1).astype(jnp.int32)
 
 
-def check_prompts(tokens, lengths, cache_length: int, vocab_size: int) -> None:
-  """Raises ValueError naming what is wrong with right-padded prompts for a cache."""
-  _check_tokens(tokens, vocab_size, "prompt tokens")
+def check_lengths(tokens, lengths, name: str = "lengths") -> None:
+  """Raises ValueError unless `lengths` has shape [B] of tokens [B, C] and, when concrete,
+  every value is in 1..C."""
   if tuple(np.shape(lengths)) != tuple(tokens.shape[:1]):
-    raise ValueError(f"lengths must have shape [batch] = {tokens.shape[:1]}, got "
+    raise ValueError(f"{name} must have shape [batch] = {tokens.shape[:1]}, got "
                      f"{np.shape(lengths)}")
-  if tokens.shape[1] > cache_length:
-    raise ValueError(f"prompt of {tokens.shape[1]} tokens is longer than cache_length="
-                     f"{cache_length}")
   if not isinstance(lengths, jax.core.Tracer):
     values = np.asarray(lengths)
     bad = (values < 1) | (values > tokens.shape[1])
     if bad.any():
       row = int(np.argwhere(bad)[0, 0])
-      raise ValueError(f"lengths[{row}] = {values[row]} is outside [1, {tokens.shape[1]}] "
-                       "(the prompt width)")
+      raise ValueError(f"{name}[{row}] = {values[row]} is outside [1, {tokens.shape[1]}] "
+                       "(the width of the padded tokens)")
+
+
+def check_prompts(tokens, lengths, cache_length: int, vocab_size: int) -> None:
+  """Raises ValueError naming what is wrong with right-padded prompts for a cache."""
+  _check_tokens(tokens, vocab_size, "prompt tokens")
+  check_lengths(tokens, lengths)
+  if tokens.shape[1] > cache_length:
+    raise ValueError(f"prompt of {tokens.shape[1]} tokens is longer than cache_length="
+                     f"{cache_length}")
 
 
 def _check_text(tokens, model: config_dict.ConfigDict, method: str) -> None:
@@ -236,57 +243,76 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     _check_positions(cache.next_position, model.trainable_position_size, "cache.next_position")
     return _step(params, tokens, cache)
 
-  def chunk(params, tokens: jax.Array, cache: Cache) -> Cache:
-    """tokens [B, T] at each row's next positions, attending over the cache and each other
-    in one call (`attention.Extend`) -> the cache with them. A query sees what it would
-    see decoded token by token: filled slots and earlier chunk tokens, the last S
-    positions of a ring of S slots (on local layers, S is at most the window)."""
+  def chunk(params, tokens: jax.Array, counts: jax.Array, cache: Cache) -> Cache:
+    """tokens [B, T] at each row's next positions, of which each row's first `counts` [B]
+    are its own and the rest padding, attending over the cache and each other in one call
+    (`attention.Extend`) -> the cache with the real ones. A query sees what it would see
+    decoded token by token: filled slots and earlier chunk tokens, the last S positions
+    of a ring of S slots (on local layers, S is at most the window). Padding is neither
+    stored nor seen; its queries sit at the row's next position, a valid one, so that a
+    learned position table gives them finite values."""
     b, t = tokens.shape
-    new = cache.next_position[:, None] + jnp.arange(t, dtype=jnp.int32)   # [B, T]
+    index = jnp.arange(t, dtype=jnp.int32)
+    real = index < counts[:, None]                                          # [B, T]
+    new = cache.next_position[:, None] + index                              # [B, T]
+    queries = jnp.where(real, new, cache.next_position[:, None])
     rows = jnp.arange(b)[:, None]
     positions, masks = {}, {}
     for kind, ring in cache.positions.items():
       size = ring.shape[1]
-      kept = new[:, t - min(t, size):]        # the chunk's latest S stay in the ring
-      keys = jnp.concatenate([ring, new], axis=1)
-      mask = attention_mask(new, keys, jnp.ones_like(new), (keys >= 0).astype(jnp.int32),
+      kept = real & (index >= counts[:, None] - size)   # the row's latest S stay in the ring
+      slots = jnp.where(kept, new % size, size)          # slot S: not written
+      keys = jnp.concatenate([ring, new], axis=1)   # padding follows: causality hides it
+      mask = attention_mask(queries, keys, jnp.ones_like(new), (keys >= 0).astype(jnp.int32),
                             window=size)
-      masks[kind] = Extend(mask, kept % size)
-      positions[kind] = ring.at[rows, kept % size].set(kept)
-    _, layers = run(params, cache.layers, tokens, new, jnp.ones_like(tokens), masks)
-    return Cache(layers, positions, cache.next_position + t)
+      masks[kind] = Extend(mask, slots)
+      positions[kind] = ring.at[rows, slots].set(new, mode="drop")
+    _, layers = run(params, cache.layers, tokens, queries, jnp.ones_like(tokens), masks)
+    return Cache(layers, positions, cache.next_position + counts)
 
-  def _extend_in_chunks(params, tokens, cache):
+  def _extend_in_chunks(params, tokens, lengths, cache):
     # All but each row's last token go in as chunks of EXTEND_CHUNK (their logits are
     # never computed), a scan over the whole ones then the rest; the last token is a
     # decode step, whose logits are the extension's.
     params = unrolled(params)
-    body = tokens[:, :-1]
+    body, counts = tokens[:, :-1], lengths - 1
     whole = body.shape[1] // EXTEND_CHUNK * EXTEND_CHUNK
     if whole:
       pieces = body[:, :whole].reshape(body.shape[0], -1, EXTEND_CHUNK).swapaxes(0, 1)
-      cache, _ = jax.lax.scan(lambda cache, piece: (chunk(params, piece, cache), None),
-                              cache, pieces)
+      starts = jnp.arange(0, whole, EXTEND_CHUNK, dtype=jnp.int32)
+
+      def piece_in(cache, piece_and_start):
+        piece, start = piece_and_start
+        return chunk(params, piece, jnp.clip(counts - start, 0, EXTEND_CHUNK), cache), None
+
+      cache, _ = jax.lax.scan(piece_in, cache, (pieces, starts))
     if body.shape[1] > whole:
-      cache = chunk(params, body[:, whole:], cache)
-    return step(params, tokens[:, -1], cache)
+      cache = chunk(params, body[:, whole:], jnp.maximum(counts - whole, 0), cache)
+    last = jnp.take_along_axis(tokens, counts[:, None], axis=1)[:, 0]
+    return step(params, last, cache)
 
   _extend = decode_jit.jit(_extend_in_chunks, donate_argnames="cache")
 
-  def extend(params: dict, tokens: jax.Array, cache: Cache):
-    """Continues every row's cached context with C more tokens, tokens [B, C] int: (logits
-    [B, V] float32 after each row's last one, the cache with them). Only the new tokens
-    are computed, in passes of up to `EXTEND_CHUNK` over the cache (local rings and
-    global capacity behave as in decoding them one by one); a chat turn added to a
-    conversation costs its own tokens, not the conversation's. The cache passed in is
-    donated."""
+  def extend(params: dict, tokens: jax.Array, cache: Cache,
+             lengths: Optional[jax.Array] = None):
+    """Continues every row's cached context with its tokens, tokens [B, C] int
+    right-padded to `lengths` [B] real tokens a row (1..C; default C): (logits [B, V]
+    float32 after each row's last one, the cache with them). Only the new tokens are
+    computed, in passes of up to `EXTEND_CHUNK` over the cache (local rings and global
+    capacity behave as in decoding them one by one); a chat turn added to a
+    conversation costs its own tokens, not the conversation's. Padding is neither
+    stored nor attended to, so one program (one C) serves chunks of any length up to C,
+    and rows of different lengths extend together. The cache passed in is donated."""
     if tokens.ndim != 2 or tokens.shape[:1] != cache.next_position.shape or not tokens.shape[1]:
       raise ValueError(f"tokens must have shape [batch={cache.next_position.shape[0]}, C >= 1], "
                        f"got {tokens.shape}")
+    if lengths is None:
+      lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+    check_lengths(tokens, lengths)
     _check_tokens(tokens, model.vocab_size)
     _check_text(tokens, model, "extend")
-    _check_positions(cache.next_position + tokens.shape[1] - 1, model.trainable_position_size,
-                     "cache.next_position + C - 1")
-    return _extend(params, tokens, cache)
+    _check_positions(cache.next_position + jnp.asarray(lengths) - 1,
+                     model.trainable_position_size, "cache.next_position + lengths - 1")
+    return _extend(params, tokens, jnp.asarray(lengths, jnp.int32), cache)
 
   return Decoding(prefill, decode_step, extend, jax.jit(unrolled))

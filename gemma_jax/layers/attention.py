@@ -290,8 +290,8 @@ class Decode(NamedTuple):
 class Extend(NamedTuple):
   """Replaces a layer's mask to extend its cache by a chunk of T tokens at once: attend
   over the S slots as they were and the T new keys, under `mask` [B, T, S + T]; then
-  write the last n = min(T, S) new keys and values into the slots `slots` [B, n] (a
-  chunk longer than the ring keeps its latest S)."""
+  write new key and value t into slot `slots` [B, T] (S or more: not written, as for
+  padding, or for the older tokens of a chunk longer than the ring)."""
   mask: jax.Array
   slots: jax.Array
 
@@ -433,10 +433,10 @@ class Attention(nn.Module):
 
   def _extend_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:
     """The ring `name` [B, S, K, H] as it was, then new [B, T, K, H] (the keys or values an
-    `Extend` attends over, [B, S + T, K, H] in the compute dtype); writes the last
-    slots.shape[1] of the new ones into `slots`."""
+    `Extend` attends over, [B, S + T, K, H] in the compute dtype); writes the new ones
+    into `slots` [B, T] (S: not written)."""
     before = self._read_cache(name)
-    self._write_cache(name, new[:, new.shape[1] - slots.shape[1]:], slots)
+    self._write_cache(name, new, slots)
     return jnp.concatenate([before, new.astype(self.dtype)], axis=1)
 
   def _read_cache(self, name: str) -> jax.Array:
@@ -450,9 +450,10 @@ class Attention(nn.Module):
                                       ("batch", "length", "kv_heads", "head_dim"))
 
   def _write_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Writes new [B, T, K, H] into the cache ring `name` [B, S, K, H] at slots [B, T];
-    returns the ring in the compute dtype. An int8 ring takes the rows quantized and
-    their scales into its scale ring (`gemma_jax.quant.kv_cache`)."""
+    """Writes new [B, T, K, H] into the cache ring `name` [B, S, K, H] at slots [B, T] (a
+    slot past the ring: not written); returns the ring in the compute dtype. An int8
+    ring takes the rows quantized and their scales into its scale ring
+    (`gemma_jax.quant.kv_cache`)."""
     ring = self.get_variable("cache", name)
     chex.assert_shape(slots, new.shape[:2])
     rows = jnp.arange(new.shape[0])[:, None]
@@ -460,7 +461,9 @@ class Attention(nn.Module):
       # Imported here: the gemma_jax.quant package imports the decoder, hence this module.
       from gemma_jax.quant import kv_cache  # pylint: disable=import-outside-toplevel
       new, scale = kv_cache.quantize(new)
-      scales = self.get_variable("cache", kv_cache.scale_name(name)).at[rows, slots].set(scale)
-      self.put_variable("cache", kv_cache.scale_name(name), scales)
-    self.put_variable("cache", name, ring.at[rows, slots].set(new.astype(ring.dtype)))
+      scales = self.get_variable("cache", kv_cache.scale_name(name))
+      self.put_variable("cache", kv_cache.scale_name(name),
+                        scales.at[rows, slots].set(scale, mode="drop"))
+    self.put_variable("cache", name, ring.at[rows, slots].set(new.astype(ring.dtype),
+                                                              mode="drop"))
     return self._read_cache(name)
