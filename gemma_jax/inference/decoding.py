@@ -65,14 +65,17 @@ class Cache(NamedTuple):
 
 class Decoding(NamedTuple):
   """prefill(params, tokens, lengths, *, cache_length, cache_dtype) -> (logits, cache);
-  decode_step(params, tokens, cache) -> (logits, cache); extend(params, tokens, cache)
-  -> (logits, cache); unrolled(params) -> the parameters with one entry per layer (a
-  copy of a scanned tree; an unrolled one is returned as it is), on the CPU with each
-  MoE layer's experts split (`moe.split_experts`). All jitted."""
+  decode_step(params, tokens, cache) -> (logits, cache); extend(params, tokens, cache,
+  lengths) -> (logits, cache); unrolled(params) -> the parameters with one entry per
+  layer (a copy of a scanned tree; an unrolled one is returned as it is), on the CPU
+  with each MoE layer's experts split (`moe.split_experts`); fill(params, tokens,
+  lengths, *, cache_length, cache_dtype) -> (last tokens, cache), a prefill but its
+  decode step. All jitted."""
   prefill: Callable
   decode_step: Callable
   extend: Callable
   unrolled: Callable
+  fill: Callable
 
 
 # Tokens `extend` computes per pass: its logits are at most [B, N, 512, S + 512].
@@ -178,12 +181,15 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
                          jnp.ones_like(tokens[:, None]), masks)
     return logits[:, 0], Cache(layers, positions, position + 1)
 
+  _step = decode_jit.jit(step, donate_argnames="cache")
+
   @functools.partial(decode_jit.jit, static_argnames=("cache_length", "cache_dtype"))
-  def _prefill(params, tokens, lengths, images, cache_length, cache_dtype):
-    # All but each row's last token fill the caches (their logits are never computed);
-    # the last one is a decode step, whose logits are the prefill's. Image spans are
-    # bidirectional in the prompt; a whole span ends with its end-of-image token, so none
-    # reaches the last token.
+  def _fill(params, tokens, lengths, images, cache_length, cache_dtype):
+    # All but each row's last token fill the caches (their logits are never computed, so
+    # XLA drops the last layer's attention output and MLP); the last one is left to a
+    # decode step, whose logits are the prefill's. Image spans are bidirectional in the
+    # prompt; a whole span ends with its end-of-image token, so none reaches the last
+    # token.
     chunk = tokens[:, :max(tokens.shape[1] - 1, 1)]
     filled = lengths - 1
     index = jnp.broadcast_to(jnp.arange(chunk.shape[1]), chunk.shape)
@@ -198,13 +204,31 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     _, layers = run(params, None, chunk, index, segment_ids, masks, images)
     layers = kv_cache.store(layers, cache_dtype)
     last = jnp.take_along_axis(tokens, filled[:, None], axis=1)[:, 0]
-    return step(params, last, Cache(layers, positions, filled))
+    return last, Cache(layers, positions, filled)
+
+  def fill(params: dict, tokens: jax.Array, lengths: Optional[jax.Array] = None, *,
+           cache_length: int, cache_dtype: Union[str, jnp.dtype, None] = None,
+           images: Optional[jax.Array] = None):
+    """Fills the caches with all but each row's last prompt token: (those last tokens [B]
+    int32, Cache). `decode_step` of them is `prefill`; a loop whose first step feeds them
+    (`sampler.generate`) holds one decode step in its program, not two. Arguments as in
+    `prefill`."""
+    if lengths is None:
+      lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
+    check_prompts(tokens, lengths, cache_length, model.vocab_size)
+    if model.trainable_position_size and cache_length > model.trainable_position_size:
+      raise ValueError(f"cache_length={cache_length} exceeds the model's "
+                       f"trainable_position_size={model.trainable_position_size}")
+    dtype = kv_cache.check_dtype(cache_dtype or default_cache_dtype(config))
+    towers.check_image_inputs(tokens, images, model)
+    return _fill(params, tokens, jnp.asarray(lengths, jnp.int32), images, cache_length, dtype)
 
   def prefill(params: dict, tokens: jax.Array, lengths: Optional[jax.Array] = None, *,
               cache_length: int, cache_dtype: Union[str, jnp.dtype, None] = None,
               images: Optional[jax.Array] = None):
     """Fills the caches with prompts: (logits [B, V] float32 after each row's last prompt
-    token, Cache).
+    token, Cache). Two programs called eagerly: `fill`'s, then the decode step's, which
+    later decode steps share.
 
     Args:
       params: the model's parameters.
@@ -218,18 +242,8 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       images: the images of the prompts' placeholder spans (a model with
         `vision.enabled`; see `Transformed.apply`).
     """
-    if lengths is None:
-      lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
-    check_prompts(tokens, lengths, cache_length, model.vocab_size)
-    if model.trainable_position_size and cache_length > model.trainable_position_size:
-      raise ValueError(f"cache_length={cache_length} exceeds the model's "
-                       f"trainable_position_size={model.trainable_position_size}")
-    dtype = kv_cache.check_dtype(cache_dtype or default_cache_dtype(config))
-    towers.check_image_inputs(tokens, images, model)
-    return _prefill(params, tokens, jnp.asarray(lengths, jnp.int32), images, cache_length,
-                    dtype)
-
-  _step = decode_jit.jit(step, donate_argnames="cache")
+    return _step(params, *fill(params, tokens, lengths, cache_length=cache_length,
+                               cache_dtype=cache_dtype, images=images))
 
   def decode_step(params: dict, tokens: jax.Array, cache: Cache):
     """One token per row, tokens [B] int, at each row's next position: (logits [B, V]
@@ -270,10 +284,10 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     _, layers = run(params, cache.layers, tokens, queries, jnp.ones_like(tokens), masks)
     return Cache(layers, positions, cache.next_position + counts)
 
-  def _extend_in_chunks(params, tokens, lengths, cache):
+  def _extend_but_last(params, tokens, lengths, cache):
     # All but each row's last token go in as chunks of EXTEND_CHUNK (their logits are
-    # never computed), a scan over the whole ones then the rest; the last token is a
-    # decode step, whose logits are the extension's.
+    # never computed), a scan over the whole ones then the rest: (the last tokens [B],
+    # the cache), the last left to a decode step as in `fill`.
     params = unrolled(params)
     body, counts = tokens[:, :-1], lengths - 1
     whole = body.shape[1] // EXTEND_CHUNK * EXTEND_CHUNK
@@ -288,10 +302,9 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       cache, _ = jax.lax.scan(piece_in, cache, (pieces, starts))
     if body.shape[1] > whole:
       cache = chunk(params, body[:, whole:], jnp.maximum(counts - whole, 0), cache)
-    last = jnp.take_along_axis(tokens, counts[:, None], axis=1)[:, 0]
-    return step(params, last, cache)
+    return jnp.take_along_axis(tokens, counts[:, None], axis=1)[:, 0], cache
 
-  _extend = decode_jit.jit(_extend_in_chunks, donate_argnames="cache")
+  _extend = decode_jit.jit(_extend_but_last, donate_argnames="cache")
 
   def extend(params: dict, tokens: jax.Array, cache: Cache,
              lengths: Optional[jax.Array] = None):
@@ -302,7 +315,9 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     capacity behave as in decoding them one by one); a chat turn added to a
     conversation costs its own tokens, not the conversation's. Padding is neither
     stored nor attended to, so one program (one C) serves chunks of any length up to C,
-    and rows of different lengths extend together. The cache passed in is donated."""
+    and rows of different lengths extend together. Called eagerly it runs that program,
+    then the decode step's (for each row's last token), which every C shares. The cache
+    passed in is donated."""
     if tokens.ndim != 2 or tokens.shape[:1] != cache.next_position.shape or not tokens.shape[1]:
       raise ValueError(f"tokens must have shape [batch={cache.next_position.shape[0]}, C >= 1], "
                        f"got {tokens.shape}")
@@ -313,6 +328,8 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     _check_text(tokens, model, "extend")
     _check_positions(cache.next_position + jnp.asarray(lengths) - 1,
                      model.trainable_position_size, "cache.next_position + lengths - 1")
-    return _extend(params, tokens, jnp.asarray(lengths, jnp.int32), cache)
+    if tokens.shape[1] == 1:
+      return _step(params, tokens[:, 0], cache)
+    return _step(params, *_extend(params, tokens, jnp.asarray(lengths, jnp.int32), cache))
 
-  return Decoding(prefill, decode_step, extend, jax.jit(unrolled))
+  return Decoding(prefill, decode_step, extend, jax.jit(unrolled), fill)

@@ -51,19 +51,10 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
   that many tokens, the rest of the N columns `pad_id`.
   """
   params = decoding.unrolled(params)   # once, not in every step of the loop
-  logits, cache = decoding.prefill(params, prompts, lengths, cache_length=cache_length,
-                                   cache_dtype=cache_dtype, images=images)
+  # The loop's first step feeds each prompt's last token: one decode step in the program.
+  token, cache = decoding.fill(params, prompts, lengths, cache_length=cache_length,
+                               cache_dtype=cache_dtype, images=images)
   eos = jnp.asarray(eos_ids, jnp.int32)
-
-  def pick(logits, rng, done):
-    rng, key = jax.random.split(rng)
-    token = sampling.choose(logits, key, options)
-    token = jnp.where(done, pad_id, token)
-    return token, done | jnp.isin(token, eos), rng
-
-  token, done, rng = pick(logits, rng, jnp.zeros(prompts.shape[:1], bool))
-  out = jnp.full((prompts.shape[0], max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
-
   bound = max_new_tokens if limit is None else jnp.minimum(limit, max_new_tokens)
 
   def unfinished(carry):
@@ -73,11 +64,13 @@ def generate(decoding: decoding_lib.Decoding, params, prompts: jax.Array, length
   def step(carry):
     index, token, cache, out, done, rng = carry
     logits, cache = decoding.decode_step(params, token, cache)
-    token, done, rng = pick(logits, rng, done)
+    rng, key = jax.random.split(rng)
+    token = jnp.where(done, pad_id, sampling.choose(logits, key, options))
     out = jax.lax.dynamic_update_slice_in_dim(out, token[:, None], index, axis=1)
-    return index + 1, token, cache, out, done, rng
+    return index + 1, token, cache, out, done | jnp.isin(token, eos), rng
 
-  carry = (jnp.asarray(1), token, cache, out, done, rng)
+  out = jnp.full((prompts.shape[0], max_new_tokens), pad_id, jnp.int32)
+  carry = (jnp.asarray(0), token, cache, out, jnp.zeros(prompts.shape[:1], bool), rng)
   return jax.lax.while_loop(unfinished, step, carry)[3]
 
 
