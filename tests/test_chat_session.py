@@ -12,7 +12,7 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import chat
-from gemma_jax.inference import decoding, make_decoding, sampler
+from gemma_jax.inference import decoding, make_decoding, sampler, sampling
 from gemma_jax.inference.chat_session import ChatSession
 from gemma_jax.training import tokenizers
 from test_decoding import random_params
@@ -218,8 +218,8 @@ def test_session_keeps_one_cache_and_equals_a_full_recomputation():
 
 
 def test_session_feeds_each_turn_at_a_bucket_width():
-  """Each turn goes in as one call right-padded to `sampler.bucket` of its length, a
-  sampled token as a call of width 1: two later turns of 29 and 28 tokens share one
+  """Each turn goes in as one call right-padded to `sampler.bucket` of its length (the
+  reply then one decode step a token): two later turns of 29 and 28 tokens share one
   program (width 32), where they went in as pieces of 16, 8, 4 and 1 tokens."""
   config = small("gemma3-tiny", vocab_size=261)
   session = ChatSession(config, chatty_params(config), tokenizers.ByteTokenizer(),
@@ -237,12 +237,37 @@ def test_session_feeds_each_turn_at_a_bucket_width():
                                                extend=spy("extend", 3))
   for question in ("Hi!", "Two plus 3?", "Spell cat."):
     calls.clear()
+    before = len(session.fed_chunks)
     "".join(session.send(question, max_new_tokens=3))
-    turn, *replies = calls
-    assert turn[1] == sampler.bucket(turn[2]) and turn[2] == session.fed_chunks[-len(calls)]
-    assert replies == [("extend", 1, 1)] * len(replies)
+    (method, width, length), = calls   # the turn; the reply is fed a token a step
+    assert length == session.fed_chunks[before] and width == sampler.bucket(length)
+    assert session.fed_chunks[before + 1:] == [1] * (len(session.fed_chunks) - before - 1)
     if question != "Hi!":
-      assert turn[:2] == ("extend", 32), turn
+      assert (method, width) == ("extend", 32)
+
+
+def test_a_sampled_reply_draws_from_the_full_forwards_logits():
+  """temperature, top-k and top-p: each token is `sampling.choose` of the full forward's
+  logits over the conversation so far, with the seed's key split once a token; the
+  reply differs from the greedy one, so the draws were not argmaxes."""
+  config = small("gemma3-tiny", vocab_size=261)
+  params = chatty_params(config)
+  tokenizer = tokenizers.ByteTokenizer()
+  options = dict(temperature=1.5, top_k=40, top_p=0.95)
+  session = ChatSession(config, params, tokenizer, max_length=256)
+  before = len(chat.render([{"role": "user", "content": "Hi there!"}], tokenizer,
+                           add_generation_prompt=True).ids)
+  "".join(session.send("Hi there!", max_new_tokens=12, seed=3, **options))
+  apply = jax.jit(gj.transform(config).apply)
+  ids, rng = session.ids[:before], jax.random.key(3)
+  chosen = sampling.Sampling.of(vocab_size=config.model.vocab_size, **options)
+  while len(ids) < len(session.ids):
+    rng, key = jax.random.split(rng)
+    ids.append(int(sampling.choose(apply(params, jnp.asarray([ids]))[:, -1], key, chosen)[0]))
+  assert session.ids == ids
+  greedy = ChatSession(config, params, tokenizer, max_length=256)
+  "".join(greedy.send("Hi there!", max_new_tokens=12))
+  assert greedy.ids != session.ids
 
 
 def test_session_refuses_a_conversation_past_max_length():
