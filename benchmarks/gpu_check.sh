@@ -18,14 +18,20 @@
 #    process: `--xla_variants`, a compile per set; six GPU flags are on record, none
 #    faster: docs/architecture.md, "A fifth H100 lease"); then (NORM_AB=1, the default)
 #    the same step with XLA's RMSNorm gradient instead of the kernel, its own process;
-# 2. greedy decoding at batch 1 and 64, under XLA's defaults and each set of XLA_FLAGS
+# 2. MoE: one Gemma 4 26B-A4B layer's experts by each dispatch (MOE_LIMIT=0 skips it;
+#    never measured on a GPU yet: `auto` there runs the loop, since XLA expands
+#    ragged_dot into every row times every expert);
+# 3. greedy decoding at batch 1 and 64, under XLA's defaults and each set of XLA_FLAGS
 #    in DECODE_VARIANTS (';'-separated; on record: 456 / 28,100 tokens/s as is, batch 1
 #    launch-bound at 726 kernels a token; 410 / 28,500 with the loop's while and
 #    conditionals as CUDA graphs, the sixth lease);
-# 3. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
+# 4. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
 #    fifth lease: 1.8 ms a step between kernels).
-# One call has 600 s: the next lease's A/B of the norm kernel fits with
-#   DECODE_LIMIT=0 PROFILE_LIMIT=0 bash benchmarks/gpu_check.sh
+# NORM_LIMIT=0 / STEP_LIMIT=0 skip the first stages. One call has 600 s: the next
+# lease's A/B of the norm kernel fits with
+#   MOE_LIMIT=0 DECODE_LIMIT=0 PROFILE_LIMIT=0 bash benchmarks/gpu_check.sh
+# and the MoE layer with
+#   NORM_LIMIT=0 STEP_LIMIT=0 DECODE_LIMIT=0 PROFILE_LIMIT=0 bash benchmarks/gpu_check.sh
 # attention_kernels.py (tokamax's kernels included), the 4, 8, 12 and 16 row steps,
 # float32 weights and the one-pass log_z A/B are on record for the H100. Call with
 # timeout_s 600: the lease's start is ~90 s of its 900, and what runs late may be cut
@@ -83,14 +89,23 @@ run() {  # seconds, name, command...: one log for all (the tool brings back 8 fi
   echo "$(date +%T) $name (limit $limit s)" | tee -a "$out/gpu_check.log"
   timeout "$limit" "$@" 2>&1 | grep -v '^[IW][0-9]' | tee -a "$out/gpu_check.log"
 }
-run 90 norm_gradient python3 norm_gradient.py --out="$out/norm_gradient.json" \
-  --shapes="${NORM_SHAPES:-32768x1152,131072x256,32768x256}"
+[ "${NORM_LIMIT:-90}" != 0 ] && run "${NORM_LIMIT:-90}" norm_gradient python3 norm_gradient.py \
+  --out="$out/norm_gradient.json" --shapes="${NORM_SHAPES:-32768x1152,131072x256,32768x256}"
 step=(python3 accelerator.py "${model[@]}" --loss=chunked --kernels=jax --decode_batch_sizes=
       --noforward --batch_size="$rows" --param_dtype=bfloat16 --steps=10)
-run "${STEP_LIMIT:-240}" step "${step[@]}" --out="$out/accelerator_bf16.json" \
-  --xla_variants="${XLA_VARIANTS:-}"
-[ "${NORM_AB:-1}" = 1 ] && run "${STEP_LIMIT:-240}" "step, XLA's norm gradient" "${step[@]}" \
-  --nonorm_gradient_kernel --out="$out/accelerator_bf16_xla_norm_gradient.json"
+if [ "${STEP_LIMIT:-240}" != 0 ]; then
+  run "${STEP_LIMIT:-240}" step "${step[@]}" --out="$out/accelerator_bf16.json" \
+    --xla_variants="${XLA_VARIANTS:-}"
+  [ "${NORM_AB:-1}" = 1 ] && run "${STEP_LIMIT:-240}" "step, XLA's norm gradient" "${step[@]}" \
+    --nonorm_gradient_kernel --out="$out/accelerator_bf16_xla_norm_gradient.json"
+fi
+# One Gemma 4 26B-A4B MoE layer's experts (128 of them, top 8, 4096 tokens), bfloat16:
+# the loop (what `auto` runs on a GPU), tokamax's ragged_dot kernels, the dense
+# reference, and XLA's ragged_dot (expanded to every row times every expert) last.
+[ "${MOE_LIMIT:-150}" != 0 ] && run "${MOE_LIMIT:-150}" moe_dispatch python3 moe_dispatch.py \
+  ${MOE_SHAPE:---experts=128 --top_k=8 --tokens=4096 --d_model=2816 --expert_mlp_dim=704} \
+  --dtype=bfloat16 --dispatches=loop,tokamax,dense,ragged --loop_blocks=128+32 \
+  --loop_capacities=auto --seconds=1 --out="$out/moe_dispatch_gpu.json"
 IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-}"
 decode_variants=("" "${decode_variants[@]}")
 [ "${DECODE_LIMIT:-150}" = 0 ] && decode_variants=()  # DECODE_LIMIT=0: no decoding (on record)

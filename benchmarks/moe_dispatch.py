@@ -13,10 +13,20 @@ other capacities (the rows per expert of its batched product: "auto" is
 multiplies per routed row (`work`: the work done over the work needed; padding of its
 batched slots and blocks). Times are medians in ms.
 
+`--dispatches=tokamax` adds the ragged dispatch with tokamax's `ragged_dot` (its
+Pallas kernels on a GPU or TPU) where tokamax is installed; on a GPU, "ragged" is
+XLA's, which expands ragged_dot into every row times every expert. A Gemma 4
+26B-A4B layer on a GPU (`benchmarks/gpu_check.sh` runs it):
+
+    python benchmarks/moe_dispatch.py --experts=128 --top_k=8 --tokens=4096 \
+        --d_model=2816 --expert_mlp_dim=704 --dtype=bfloat16 \
+        --dispatches=ragged,loop,tokamax --loop_blocks=128+32 --loop_capacities=auto
+
     python benchmarks/moe_dispatch.py --experts=16 --tokens=1024 --top_k=4 --d_model=512 \
         --expert_mlp_dim=512 --dispatches=loop --loop_blocks=128+32 --loop_capacities=auto,0
 """
 
+import functools
 import itertools
 
 from absl import app
@@ -39,6 +49,7 @@ _CAPACITIES = flags.DEFINE_list("loop_capacities", ["auto", "0"],
                                 "Capacities to time the loop dispatch with (auto: the default).")
 _DISPATCHES = flags.DEFINE_list("dispatches", ["dense", "ragged", "loop"],
                                 "Dispatches to time.")
+_DTYPE = flags.DEFINE_string("dtype", "float32", "Dtype of the tokens and expert weights.")
 _SECONDS = flags.DEFINE_float("seconds", 1.0, "Least time spent timing each function.")
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
                            "benchmarks/results/moe_dispatch_<backend>.json.")
@@ -54,7 +65,22 @@ def problem(num_experts: int, seed: int = 0):
   weights, ids = jax.lax.top_k(jax.nn.softmax(jax.random.normal(keys[1], (m, num_experts))), k)
   gate, up = (jax.random.normal(key, (num_experts, d, f)) * d ** -0.5 for key in keys[2:4])
   down = jax.random.normal(keys[4], (num_experts, f, d)) * f ** -0.5
-  return x, ids, weights, gate, up, down
+  cast = lambda a: a.astype(_DTYPE.value)
+  return cast(x), ids, weights, cast(gate), cast(up), cast(down)
+
+
+def dispatches() -> dict:
+  """The library's dispatches, and "tokamax" (ragged with tokamax's ragged_dot) where
+  tokamax is installed."""
+  found = dict(expert_dispatch.DISPATCHES)
+  try:
+    import tokamax  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    print(f"tokamax is not installed here ({e}): its dispatch is left out", flush=True)
+  else:
+    found["tokamax"] = functools.partial(expert_dispatch.ragged,
+                                         ragged_dot=tokamax.ragged_dot)
+  return found
 
 
 def timings(dispatch, x, ids, weights, gate, up, down) -> dict:
@@ -79,12 +105,15 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   backend = jax.default_backend()
+  available = dispatches()
+  names = [name for name in _DISPATCHES.value if name in available]
   results = []
   for num_experts in [int(e) for e in _EXPERTS.value]:
     args = problem(num_experts)
     row = {"experts": num_experts, "routed": routed_baseline(*args)}
-    for name in _DISPATCHES.value:
-      row[name] = timings(expert_dispatch.DISPATCHES[name], *args)
+    for name in names:   # each printed as it comes: a dispatch that fails leaves the rest
+      row[name] = timings(available[name], *args)
+      print(f"E={num_experts} {name}: {row[name]}", flush=True)
     sizes = jnp.bincount(args[1].reshape(-1), length=num_experts)
     for tiers, rows_per_expert in itertools.product(_BLOCKS.value, _CAPACITIES.value):
       blocks = tuple(int(b) for b in tiers.split("+"))
@@ -105,13 +134,14 @@ def main(argv):
   columns = [k for k in results[0] if k != "experts"]
   common.print_table(
       f"backend {backend}, M={_TOKENS.value} tokens, k={_TOP_K.value}, D={_D_MODEL.value}, "
-      f"F={_MLP_DIM.value}; ms forward / forward+backward", ["E"] + columns,
+      f"F={_MLP_DIM.value}, {_DTYPE.value}; ms forward / forward+backward", ["E"] + columns,
       [[row["experts"]] + [f"{row[c]['forward']:.1f} / {row[c]['backward']:.1f}" + (
           f" ({row[c]['work']:.3f}x work)" if "work" in row[c] else "") for c in columns]
        for row in results])
   common.write_json(common.output_path(_OUT.value, "moe_dispatch"),
                     {"tokens": _TOKENS.value, "top_k": _TOP_K.value, "d_model": _D_MODEL.value,
-                     "expert_mlp_dim": _MLP_DIM.value, "results": results})
+                     "expert_mlp_dim": _MLP_DIM.value, "dtype": _DTYPE.value,
+                     "results": results})
 
 if __name__ == "__main__":
   app.run(main)

@@ -133,7 +133,8 @@ def model_config() -> config_dict.ConfigDict:
   c.experts_per_token = 1                 # k, experts each token is routed to (top-k)
   c.expert_mlp_dim = 0                    # F of each expert's gated MLP
   # MOE_DISPATCHES; auto: for fewer routed rows than experts (decoding) gather on GPU/TPU
-  # and sliced on the CPU, else ragged on GPU/TPU and loop on the CPU.
+  # and sliced on the CPU, else ragged on a TPU and loop on GPUs and the CPU (whose XLA
+  # expands ragged_dot to every row times every expert).
   c.moe_dispatch = "auto"
   c.load_balance_loss_weight = 0.0        # weight of the load-balancing loss; 0 disables
   c.router_z_loss_weight = 0.0            # weight of the router z-loss (logsumexp^2); 0 disables

@@ -6,6 +6,7 @@ import functools
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import chex
 import flax
@@ -99,6 +100,23 @@ class DispatchTest(chex.TestCase):
         x, ids, weights, split["gate"], split["up"], split["down"], GATED_GELU))(
             x, ids, weights, split)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg="switched")
+
+  def test_ragged_runs_the_ragged_dot_it_is_given(self):
+    # How a kernel library's ragged_dot (tokamax's, which benchmarks/moe_dispatch.py
+    # times on a GPU) takes the grouped matmuls: each projection through it.
+    x, ids, weights, gate, up, down = expert_problem(k=2)
+    calls = []
+
+    def counted(lhs, rhs, group_sizes, **kwargs):
+      calls.append((lhs.shape, rhs.shape))
+      return jax.lax.ragged_dot(lhs, rhs, group_sizes, **kwargs)
+
+    out = expert_dispatch.ragged(x, ids, weights, gate, up, down, GATED_GELU,
+                                 ragged_dot=counted)
+    a, (e, d, f) = ids.size, gate.shape
+    self.assertEqual(calls, [((a, d), (e, d, f))] * 2 + [((a, f), (e, f, d))])
+    np.testing.assert_allclose(out, np_experts(x, ids, weights, gate, up, down),
+                               rtol=1e-5, atol=1e-5)
 
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.named_parameters(("top1", dict(k=1)), ("top2_skewed", dict(k=2, skew=True)))
@@ -228,6 +246,16 @@ class DispatchTest(chex.TestCase):
     self.assertEqual(expert_dispatch.resolve("auto", assignments=64, num_experts=8), "loop")
     self.assertEqual(expert_dispatch.resolve("auto", assignments=4, num_experts=8), "sliced")
     self.assertEqual(expert_dispatch.resolve("dense", assignments=4, num_experts=8), "dense")
+
+  @parameterized.parameters(("gpu", "loop", "gather"), ("tpu", "ragged", "gather"),
+                            ("cpu", "loop", "sliced"))
+  def test_auto_runs_ragged_dot_only_where_xla_does_not_expand_it(self, backend, many, few):
+    # XLA's CPU and NVIDIA GPU backends rewrite ragged_dot into a product of every row
+    # with every expert (E times the routed work); only the TPU's runs it as grouped.
+    with mock.patch.object(jax, "default_backend", return_value=backend):
+      self.assertEqual(expert_dispatch.resolve("auto", assignments=64, num_experts=8), many)
+      self.assertEqual(expert_dispatch.resolve("auto", assignments=4, num_experts=8), few)
+      self.assertIs(expert_dispatch.for_rows("auto", 4, 8), expert_dispatch.DISPATCHES[few])
 
 
 def random_params(module, x, seed):

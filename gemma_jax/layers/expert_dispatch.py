@@ -11,13 +11,16 @@ dropless: every assignment is computed, however unbalanced the routing.
   dense    every expert on every token, the unchosen ones weighted 0: E / k times the
            routed work. The reference.
   ragged   the M * k assignments sorted by expert and run as one grouped matmul per
-           projection (`jax.lax.ragged_dot`), then unsorted and combined. Native on GPU
-           and TPU; XLA's CPU backend lowers ragged_dot to a masked product over every
-           expert, E times the work.
+           projection (`jax.lax.ragged_dot`), then unsorted and combined. Native on
+           TPU. XLA's CPU and NVIDIA GPU backends expand ragged_dot into a dense
+           product of every row with every expert's weights, the rows masked per
+           expert (XLA's `RaggedDotRewriter`; on a GPU only an experimental flag with
+           cuDNN >= 9.22 routes it elsewhere): E times the work and an [A, E, D]
+           temporary.
   loop     sorted the same way, the experts' MLPs as one batched product over each
            expert's first C rows and a loop over experts and blocks of rows for the
            rest (`grouped_mlp`): the routed work plus the padding of short experts' C
-           rows and of the loop's blocks. For the CPU.
+           rows and of the loop's blocks. For the CPU and GPUs.
   gather   each assignment's expert weights gathered and applied to its token: the
            routed work exactly, reading M * k expert matrices. For few tokens (decoding),
            where that is fewer than the E every grouped matmul reads.
@@ -70,10 +73,13 @@ def _sorted(x, expert_ids, weights, num_experts: int, mlp: Callable) -> jax.Arra
   return _combine(out[inverse], weights)
 
 
-def ragged(x, expert_ids, weights, gate, up, down, hidden: Callable) -> jax.Array:
-  """Grouped matmuls by `jax.lax.ragged_dot`, one per projection."""
+def ragged(x, expert_ids, weights, gate, up, down, hidden: Callable,
+           ragged_dot: Callable = jax.lax.ragged_dot) -> jax.Array:
+  """Grouped matmuls by `ragged_dot` (lhs [A, D], rhs [E, D, F], group_sizes [E],
+  preferred_element_type; default `jax.lax.ragged_dot`, or a kernel library's with its
+  signature, e.g. tokamax's), one per projection."""
   def mlp(rows, sizes):
-    project = lambda a, w: jax.lax.ragged_dot(a, w, sizes, preferred_element_type=x.dtype)
+    project = lambda a, w: ragged_dot(a, w, sizes, preferred_element_type=x.dtype)
     return project(hidden(project(rows, gate), project(rows, up)), down)
   return _sorted(x, expert_ids, weights, gate.shape[0], mlp)
 
@@ -151,11 +157,11 @@ def for_rows(name: str, assignments: int, num_experts: int) -> Callable:
 def resolve(name: str, assignments: int, num_experts: int) -> str:
   """"auto" -> the dispatch that is fast for `assignments` (M * k) routed rows on the
   default backend: when they are fewer than the experts, gather (sliced on the CPU),
-  else the grouped matmuls (ragged on GPU/TPU, the loop on the CPU). Other names
-  unchanged."""
+  else the grouped matmuls: ragged on a TPU, the loop elsewhere (where XLA would expand
+  ragged_dot to E times the work). Other names unchanged."""
   if name != "auto":
     return name
-  cpu = jax.default_backend() == "cpu"
+  backend = jax.default_backend()
   if assignments < num_experts:
-    return "sliced" if cpu else "gather"
-  return "loop" if cpu else "ragged"
+    return "sliced" if backend == "cpu" else "gather"
+  return "ragged" if backend == "tpu" else "loop"

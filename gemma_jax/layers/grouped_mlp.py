@@ -4,9 +4,9 @@ first C rows, and a loop over groups and blocks for the rows past them.
     out = grouped_mlp(rows, gate, up, down, group_sizes, hidden)
     # out[r] = hidden(rows[r] @ gate[e], rows[r] @ up[e]) @ down[e], e the group of row r
 
-What three `jax.lax.ragged_dot`s would compute, without their cost on the CPU: XLA's CPU
-backend lowers ragged_dot to a masked product of every row with every group's weights
-(E times the work).
+What three `jax.lax.ragged_dot`s would compute, without their cost off a TPU: XLA's CPU
+and NVIDIA GPU backends lower ragged_dot to a masked product of every row with every
+group's weights (E times the work).
 
 Each group's first C rows (its capacity, `capacity`: the mean group size plus one
 standard deviation of a uniform routing's) go through their expert as one batched
