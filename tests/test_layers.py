@@ -432,6 +432,42 @@ class AttentionTest(chex.TestCase, parameterized.TestCase):
     chex.assert_trees_all_close(grads, expected_grads, rtol=1e-5, atol=1e-5)
     chex.assert_trees_all_equal_shapes(grads, (q, k, v))
 
+  def test_jax_kernel_leaves_heads_wider_than_cudnn_takes_to_xla(self):
+    """On a GPU the "jax" kernel hands bfloat16 attention to cuDNN only for head dims it
+    takes (at most 256 on Hopper): Gemma 4's 512-wide global heads, which JAX's cuDNN
+    entry point refuses, go to XLA's implementation, with the same values."""
+    implementations = []
+    fused = jax.nn.dot_product_attention
+
+    def recorded(q, k, v, *args, implementation=None, **kwargs):
+      implementations.append((q.shape[-1], implementation))
+      if implementation == "cudnn":    # this CPU has no cuDNN: the choice is what counts
+        return jnp.zeros_like(q)
+      return fused(q, k, v, *args, implementation=implementation, **kwargs)
+
+    for width in (64, 512):
+      keys = jax.random.split(jax.random.key(width), 3)
+      q = jax.random.normal(keys[0], (1, 16, 2, width), jnp.bfloat16)
+      k, v = (jax.random.normal(key, (1, 16, 1, width), jnp.bfloat16) for key in keys[1:])
+      with mock.patch.object(jax, "default_backend", return_value="gpu"), \
+          mock.patch.object(attention_lib, "cudnn_head_dim_limit", return_value=256), \
+          mock.patch.object(jax.nn, "dot_product_attention", recorded):
+        out = attention_lib.dot_product_attention(q, k, v, None, kernel="jax", causal=True,
+                                                  window=8)
+    self.assertEqual(implementations, [(64, "cudnn"), (512, None)])
+    expected = attention_lib.dot_product_attention(q, k, v, None, kernel="einsum",
+                                                   causal=True, window=8)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+  @parameterized.parameters(("9.0", 256), ("10.0", 256), ("8.0", 128), (None, 128))
+  def test_cudnn_head_dim_limit_follows_the_compute_capability(self, capability, limit):
+    device = mock.Mock(spec=["compute_capability"] if capability else [])
+    if capability:
+      device.compute_capability = capability
+    with mock.patch.object(jax, "devices", return_value=[device]):
+      self.assertEqual(attention_lib.cudnn_head_dim_limit(), limit)
+
   @chex.variants(with_jit=True, without_jit=True)
   @parameterized.parameters((512, None), (600, 3.0), (777, None))
   def test_causal_blocks_match_float64_mask(self, t, cap):

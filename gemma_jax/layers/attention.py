@@ -163,6 +163,14 @@ def softcap(x: jax.Array, cap: Optional[float]) -> jax.Array:
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+def cudnn_head_dim_limit() -> int:
+  """The widest head cuDNN's fused attention takes in bfloat16 / float16 on the default
+  device (JAX refuses wider ones): 256 from Hopper (compute capability 9.0) on, 128
+  before."""
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  return 256 if capability and float(capability) >= 9.0 else 128
+
+
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           mask: Optional[jax.Array], logit_softcap: Optional[float] = None,
                           kernel: str = "einsum", *, causal: bool = False,
@@ -174,8 +182,10 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
   kernel "einsum": logits and softmax in float32, probabilities cast back to the compute
   dtype (`grouped_attention`). "jax": `jax.nn.dot_product_attention`, no soft cap; with
-  no mask or with the structure, cuDNN's fused kernel on a GPU in bfloat16 or float16,
-  which then skips the tiles the structure masks; XLA's otherwise (cache accesses). cuDNN reads a
+  no mask or with the structure, cuDNN's fused kernel on a GPU in bfloat16 or float16
+  for the head dims it takes (`cudnn_head_dim_limit`; not Gemma 4's 512-wide global
+  layers), which then skips the tiles the structure masks; XLA's otherwise (cache
+  accesses, wider heads). cuDNN reads a
   mask as a bias, which it takes in training only at even lengths: a causal mask over an
   odd T gains a position that no other query sees (`_attention_at_even_length`).
   """
@@ -184,7 +194,8 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     if causal and q.shape[1] % 2:
       return _attention_at_even_length(q, k, v, mask, window)
     cudnn = (jax.default_backend() == "gpu" and (causal or mask is None)
-             and q.dtype in (jnp.bfloat16, jnp.float16))
+             and q.dtype in (jnp.bfloat16, jnp.float16)
+             and q.shape[-1] <= cudnn_head_dim_limit() and q.shape[-1] % 8 == 0)
     return jax.nn.dot_product_attention(
         q, k, v, mask=None if mask is None else mask[:, None], scale=1.0, is_causal=causal,
         local_window_size=None if window is None else (window - 1, 0),
