@@ -101,6 +101,25 @@ class DispatchTest(chex.TestCase):
             x, ids, weights, split)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5, err_msg="switched")
 
+  @parameterized.parameters(("loop", False), ("loop", True), ("ragged", True), ("dense", True))
+  def test_float64_under_jax_enable_x64_matches_numpy(self, name, skew):
+    # Under x64, JAX's default ints are int64: the loop's block offsets (int32) once met
+    # a literal 0 made int64 in one dynamic_slice, which refused the mix.
+    x, ids, weights, gate, up, down = expert_problem(k=3, skew=skew)
+    with jax.enable_x64(True):
+      args = [jnp.asarray(a, jnp.float64) for a in (x, weights, gate, up, down)]
+      dispatch = expert_dispatch.DISPATCHES[name]
+      run = lambda x, weights, gate, up, down: dispatch(x, jnp.asarray(ids), weights, gate,
+                                                        up, down, GATED_GELU)
+      out = jax.jit(run)(*args)
+      grads = jax.grad(lambda *a: jnp.sum(jnp.sin(run(*a))), argnums=(0, 2))(*args)
+      reference = jax.grad(lambda *a: jnp.sum(jnp.sin(expert_dispatch.dense(
+          a[0], jnp.asarray(ids), *a[1:], GATED_GELU))), argnums=(0, 2))(*args)
+    self.assertEqual(out.dtype, jnp.float64)
+    np.testing.assert_allclose(out, np_experts(x, ids, weights, gate, up, down),
+                               rtol=1e-12, atol=1e-12)
+    chex.assert_trees_all_close(grads, reference, rtol=1e-12, atol=1e-12)
+
   def test_ragged_runs_the_ragged_dot_it_is_given(self):
     # How a kernel library's ragged_dot (tokamax's, which benchmarks/moe_dispatch.py
     # times on a GPU) takes the grouped matmuls: each projection through it.

@@ -194,36 +194,43 @@ def _forward(rows, gate, up, down, group_sizes, hiddens, blocks, c: int):
   out, rows = _pad_rows(out, blocks[-1]), _pad_rows(rows, blocks[-1])   # a < one block
 
   def step(out, state, ws, row, block, own):
-    x = jax.lax.dynamic_slice(rows, (row, 0), (block, d))
+    x = jax.lax.dynamic_slice_in_dim(rows, row, block)
     y = (hiddens[block](x @ ws[0], x @ ws[1]) @ ws[2]).astype(out.dtype)
     if own is not None:
-      y = jnp.where(own, y, jax.lax.dynamic_slice(out, (row, 0), (block, d)))
-    return jax.lax.dynamic_update_slice(out, y, (row, 0)), state
+      y = jnp.where(own, y, jax.lax.dynamic_slice_in_dim(out, row, block))
+    return jax.lax.dynamic_update_slice_in_dim(out, y, row, 0), state
   out = _loop(layout, c, blocks, a, (gate, up, down), out, step)
   return out[:a], g, u
 
 
+def _accumulation(weights: jax.Array):
+  """The dtype weight gradients are summed in: float32, or the weights' own if wider."""
+  return jnp.promote_types(weights.dtype, jnp.float32)
+
+
 def _batched_backward(rows, gate, up, down, layout: _Layout, saved_gate, saved_up, grad_out,
                       hidden: Hidden):
-  """The batched part's backward -> (grad of its slots' rows [E, c, D], float32
-  gradients of gate, up and down). Slots past their group's rows get zero cotangents."""
+  """The batched part's backward -> (grad of its slots' rows [E, c, D], gradients of
+  gate, up and down in `_accumulation` dtype). Slots past their group's rows get zero
+  cotangents."""
   e, c, f = saved_gate.shape
-  f32 = functools.partial(jnp.einsum, preferred_element_type=jnp.float32)
+  summed = functools.partial(jnp.einsum, preferred_element_type=_accumulation(gate))
   x = rows[layout.slots]
   dy = jnp.where(layout.owned[..., None], grad_out[layout.slots], 0)
   h, hidden_vjp = jax.vjp(hidden, saved_gate.reshape(e * c, f), saved_up.reshape(e * c, f))
   dh = jnp.einsum("ecd,efd->ecf", dy, down).reshape(e * c, f)
   dg, du = (t.reshape(e, c, f) for t in hidden_vjp(dh.astype(h.dtype)))
   dx = jnp.einsum("ecf,edf->ecd", dg, gate) + jnp.einsum("ecf,edf->ecd", du, up)
-  return dx, (f32("ecd,ecf->edf", x, dg), f32("ecd,ecf->edf", x, du),
-              f32("ecf,ecd->efd", h.reshape(e, c, f), dy))
+  return dx, (summed("ecd,ecf->edf", x, dg), summed("ecd,ecf->edf", x, du),
+              summed("ecf,ecd->efd", h.reshape(e, c, f), dy))
 
 
 def _backward(rows, gate, up, down, group_sizes, saved_gate, saved_up, grad_out, hiddens,
               blocks, c: int):
-  """-> grad_rows [A, D], and float32 gradients of gate, up and down."""
+  """-> grad_rows [A, D], and gradients of gate, up and down in `_accumulation` dtype."""
   a, d = rows.shape
   e = gate.shape[0]
+  acc = _accumulation(gate)
   layout = _layout(group_sizes, a, c)
   if c:
     grad_rows, grads = _batched_backward(rows, gate, up, down, layout, saved_gate, saved_up,
@@ -232,13 +239,13 @@ def _backward(rows, gate, up, down, group_sizes, saved_gate, saved_up, grad_out,
                           0).astype(rows.dtype)
   else:
     grad_rows = jnp.zeros_like(rows)
-    grads = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate, up, down))
+    grads = tuple(jnp.zeros(w.shape, acc) for w in (gate, up, down))
   # The loop: gate and up recomputed; its weight gradients added to the batched part's.
   grad_rows, rows, grad_out = (_pad_rows(v, blocks[-1]) for v in (grad_rows, rows, grad_out))
 
   def step(carry, sums, ws, row, block, own):
     (grad_rows, grads), (w_gate, w_up, w_down) = carry, ws
-    take = lambda v: jax.lax.dynamic_slice(v, (row, 0), (block, v.shape[1]))
+    take = lambda v: jax.lax.dynamic_slice_in_dim(v, row, block)
     x, dy = take(rows), take(grad_out)
     if own is not None:
       dy = jnp.where(own, dy, 0)
@@ -248,15 +255,15 @@ def _backward(rows, gate, up, down, group_sizes, saved_gate, saved_up, grad_out,
     if own is not None:
       dx = jnp.where(own, dx, take(grad_rows))
     products = ((x, dg), (x, du), (h, dy))
-    return ((jax.lax.dynamic_update_slice(grad_rows, dx, (row, 0)), grads),
-            tuple(s + jnp.matmul(p.T, q, preferred_element_type=jnp.float32)
+    return ((jax.lax.dynamic_update_slice_in_dim(grad_rows, dx, row, 0), grads),
+            tuple(s + jnp.matmul(p.T, q, preferred_element_type=acc)
                   for s, (p, q) in zip(sums, products)))
 
   def finish(carry, sums, e):
     grad_rows, grads = carry
     return grad_rows, tuple(g.at[e].add(s) for g, s in zip(grads, sums))
 
-  sums = lambda: tuple(jnp.zeros(w.shape[1:], jnp.float32) for w in (gate, up, down))
+  sums = lambda: tuple(jnp.zeros(w.shape[1:], acc) for w in (gate, up, down))
   grad_rows, grads = _loop(layout, c, blocks, a, (gate, up, down), (grad_rows, grads),
                            step, sums, finish)
   return grad_rows[:a], grads
