@@ -377,6 +377,22 @@ class MoeBlockTest(chex.TestCase):
     self.assertEqual(tuple(specs["experts", "down"]), ("expert", "mlp", "embed"))
 
 
+@pytest.mark.parametrize("dispatch,ragged", [("auto", False), ("ragged", True)])
+def test_a_gpu_training_program_holds_ragged_dot_only_when_asked(dispatch, ragged):
+  """The gradient of a bfloat16 MoE model lowered for CUDA (here, without a GPU): `auto`
+  leaves out ragged_dot, which XLA's GPU backend would expand to every row times every
+  expert; asked for by name, it is there."""
+  config = gj.get_config("gemma4-moe-tiny")
+  config.model.update(num_layers=2, dtype="bfloat16", moe_dispatch=dispatch)
+  model = gj.transform(config)
+  tokens = jnp.asarray(np.random.RandomState(0).randint(0, 512, (2, 64)), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tokens))
+  loss = lambda p: jnp.sum(model.apply(p, tokens).astype(jnp.float32))
+  with mock.patch.object(jax, "default_backend", return_value="gpu"):
+    lowered = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",))
+  assert ("ragged_dot" in lowered.as_text()) == ragged
+
+
 def test_summarize_averages_scanned_and_unscanned_layers():
   """Two scanned blocks of one MoE layer each (leading block axis), then one unscanned."""
   scanned = {"expert_load": (np.array([[0.5, 0.5], [1.0, 0.0]], np.float32),),
