@@ -102,10 +102,10 @@ fi
 # One Gemma 4 26B-A4B MoE layer's experts (128 of them, top 8, 4096 tokens), bfloat16:
 # the loop (what `auto` runs on a GPU), tokamax's ragged_dot kernels, the dense
 # reference, and XLA's ragged_dot (expanded to every row times every expert) last.
-[ "${MOE_LIMIT:-150}" != 0 ] && run "${MOE_LIMIT:-150}" moe_dispatch python3 moe_dispatch.py \
+[ "${MOE_LIMIT:-200}" != 0 ] && run "${MOE_LIMIT:-200}" moe_dispatch python3 moe_dispatch.py \
   ${MOE_SHAPE:---experts=128 --top_k=8 --tokens=4096 --d_model=2816 --expert_mlp_dim=704} \
-  --dtype=bfloat16 --dispatches=loop,tokamax,dense,ragged --loop_blocks=128+32 \
-  --loop_capacities=auto --seconds=1 --out="$out/moe_dispatch_gpu.json"
+  --dtype=bfloat16 --dispatches=loop,tokamax,dense,ragged --loop_blocks= --seconds=1 \
+  --out="$out/moe_dispatch_gpu.json"
 IFS=';' read -ra decode_variants <<< "${DECODE_VARIANTS:-}"
 decode_variants=("" "${decode_variants[@]}")
 [ "${DECODE_LIMIT:-150}" = 0 ] && decode_variants=()  # DECODE_LIMIT=0: no decoding (on record)

@@ -20,7 +20,7 @@ XLA's, which expands ragged_dot into every row times every expert. A Gemma 4
 
     python benchmarks/moe_dispatch.py --experts=128 --top_k=8 --tokens=4096 \
         --d_model=2816 --expert_mlp_dim=704 --dtype=bfloat16 \
-        --dispatches=ragged,loop,tokamax --loop_blocks=128+32 --loop_capacities=auto
+        --dispatches=loop,tokamax,dense,ragged --loop_blocks=
 
     python benchmarks/moe_dispatch.py --experts=16 --tokens=1024 --top_k=4 --d_model=512 \
         --expert_mlp_dim=512 --dispatches=loop --loop_blocks=128+32 --loop_capacities=auto,0
@@ -111,10 +111,12 @@ def main(argv):
   for num_experts in [int(e) for e in _EXPERTS.value]:
     args = problem(num_experts)
     row = {"experts": num_experts, "routed": routed_baseline(*args)}
+    sizes = jnp.bincount(args[1].reshape(-1), length=num_experts)
     for name in names:   # each printed as it comes: a dispatch that fails leaves the rest
       row[name] = timings(available[name], *args)
+      if name == "loop":
+        row[name]["work"] = float(grouped_mlp.computed_rows(sizes) / args[1].size)
       print(f"E={num_experts} {name}: {row[name]}", flush=True)
-    sizes = jnp.bincount(args[1].reshape(-1), length=num_experts)
     for tiers, rows_per_expert in itertools.product(_BLOCKS.value, _CAPACITIES.value):
       blocks = tuple(int(b) for b in tiers.split("+"))
       capacity = None if rows_per_expert == "auto" else int(rows_per_expert)
