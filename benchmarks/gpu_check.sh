@@ -27,11 +27,12 @@
 #    conditionals as CUDA graphs, the sixth lease);
 # 4. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
 #    fifth lease: 1.8 ms a step between kernels).
-# NORM_LIMIT=0 / STEP_LIMIT=0 skip the first stages. One call has 600 s: the next
-# lease's A/B of the norm kernel fits with
-#   MOE_LIMIT=0 DECODE_LIMIT=0 PROFILE_LIMIT=0 bash benchmarks/gpu_check.sh
-# and the MoE layer with
-#   NORM_LIMIT=0 STEP_LIMIT=0 DECODE_LIMIT=0 PROFILE_LIMIT=0 bash benchmarks/gpu_check.sh
+# NORM_LIMIT=0 / STEP_LIMIT=0 skip the first stages, NORM_AB=0 the step with XLA's norm
+# gradient. One call has 600 s: the next lease's MFU with the kept norm kernel and its
+# MoE layer fit in one (~530 s),
+#   NORM_AB=0 DECODE_LIMIT=0 PROFILE_LIMIT=0 bash benchmarks/gpu_check.sh
+# and the norm kernel's A/B against XLA's gradient in another,
+#   NORM_LIMIT=0 MOE_LIMIT=0 DECODE_LIMIT=0 PROFILE_LIMIT=0 bash benchmarks/gpu_check.sh
 # attention_kernels.py (tokamax's kernels included), the 4, 8, 12 and 16 row steps,
 # float32 weights and the one-pass log_z A/B are on record for the H100. Call with
 # timeout_s 600: the lease's start is ~90 s of its 900, and what runs late may be cut
