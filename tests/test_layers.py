@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl.testing import parameterized
 
+import gemma_jax as gj
 from gemma_jax.layers import attention as attention_lib
 from gemma_jax.layers import norms
 from gemma_jax.layers import rms_norm_gradient
@@ -116,6 +117,12 @@ class RMSNormTest(chex.TestCase):
                                np_rms_norm(np.asarray(x, np.float32), 0.0, 1e-6), rtol=2e-2)
 
 
+def _norm_widths(m) -> set:
+  """The widths a model's RMSNorms normalise: the model, its heads, per-layer inputs."""
+  return {m.d_model, m.head_dim or m.d_model // m.num_heads, m.get("global_head_dim") or 0,
+          m.get("per_layer_input_dim") or 0} - {0}
+
+
 class RMSNormGradientKernelTest(chex.TestCase, parameterized.TestCase):
   """The Pallas backward (`rms_norm_gradient`, a GPU's path), run in Pallas's interpreter."""
 
@@ -136,6 +143,21 @@ class RMSNormGradientKernelTest(chex.TestCase, parameterized.TestCase):
     np.testing.assert_allclose(dx, r * (g - x * r * np.mean(g * x * r, -1, keepdims=True)),
                                rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(dw, np.sum(dy * x * r, axis=0), rtol=1e-4, atol=1e-4)
+
+  def test_kernel_lowers_to_triton_for_every_gemma_width(self):
+    """The kernel as a GPU runs it (not interpreted), lowered for CUDA here, where
+    there is no GPU: every norm width of the presets (model, head and per-layer-input
+    dims) gives a Triton call, so a width the leases never ran fails here first."""
+    widths = sorted({w for name in gj.PRESETS for w in _norm_widths(gj.get_config(name).model)
+                     if w % 16 == 0})
+    self.assertTrue({1152, 2816, 512, 5376} <= set(widths), widths)
+    for width in widths:
+      x = jax.ShapeDtypeStruct((4096, width), jnp.bfloat16)
+      with mock.patch.object(jax, "default_backend", return_value="gpu"):
+        lowered = jax.jit(lambda x, w, dy: rms_norm_gradient.backward(x, w, dy, 1e-6)).trace(
+            x, jax.ShapeDtypeStruct((width,), jnp.float32), x).lower(
+                lowering_platforms=("cuda",))
+      self.assertIn("__gpu$xla.gpu.triton", lowered.as_text(), width)
 
   def test_kernel_only_on_one_cuda_device_and_widths_of_sixteen(self):
     backend = lambda version: mock.patch.object(
