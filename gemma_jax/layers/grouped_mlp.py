@@ -203,7 +203,7 @@ def _forward(rows, gate, up, down, group_sizes, hiddens, blocks, c: int):
   return out[:a], g, u
 
 
-def _accumulation(weights: jax.Array):
+def _accumulation(weights: jax.Array) -> jnp.dtype:
   """The dtype weight gradients are summed in: float32, or the weights' own if wider."""
   return jnp.promote_types(weights.dtype, jnp.float32)
 
