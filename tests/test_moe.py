@@ -19,6 +19,7 @@ import pytest
 from absl.testing import parameterized
 
 import gemma_jax as gj
+from gemma_jax import inference
 from gemma_jax.layers import expert_dispatch, grouped_mlp, moe
 from gemma_jax.training import metrics, steps
 from test_training import REPO
@@ -450,6 +451,28 @@ def test_model_logits_do_not_depend_on_dispatch(moe_model):
   for dispatch in ("ragged", "loop", "gather", "sliced"):
     logits = gj.transform(moe_tiny(moe_dispatch=dispatch)).apply(params, batch["tokens"])
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5, err_msg=dispatch)
+
+
+def test_model_and_its_decoding_run_under_jax_enable_x64(moe_model):
+  """With x64 on (int64 default ints), the loop-dispatch model's logits, gradient and
+  cached decoding equal the same calls without it: the float32 program is the same."""
+  _, params, batch = moe_model
+  config = moe_tiny(moe_dispatch="loop")
+  tokens = batch["tokens"]
+
+  def run():
+    model, decoding = gj.transform(config), inference.make_decoding(config)
+    logits = model.apply(params, tokens)
+    grads = jax.grad(lambda p: model.loss(p, tokens).cross_entropy)(params)
+    step_logits, cache = decoding.prefill(params, tokens[:, :8], jnp.array([5, 8]),
+                                          cache_length=16)
+    step_logits, _ = decoding.extend(params, tokens[:, 8:], cache, jnp.array([2, 4]))
+    return logits, grads, step_logits
+
+  expected = run()
+  with jax.enable_x64(True):
+    got = run()
+  chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_train_step_adds_and_logs_the_aux_losses_and_expert_load(moe_model):
