@@ -25,7 +25,8 @@
 #    in DECODE_VARIANTS (';'-separated; on record: 456 / 28,100 tokens/s as is, batch 1
 #    launch-bound at 726 kernels a token; 410 / 28,500 with the loop's while and
 #    conditionals as CUDA graphs, the sixth lease);
-# 4. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
+# 4. CHAT_LIMIT (off by default): benchmarks/chat_reply.py, a streamed chat reply;
+# 5. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
 #    fifth lease: 1.8 ms a step between kernels).
 # NORM_LIMIT=0 / STEP_LIMIT=0 skip the first stages, NORM_AB=0 the step with XLA's norm
 # gradient. One call has 600 s: the next lease's MFU with the kept norm kernel and its
@@ -115,6 +116,12 @@ for i in "${!decode_variants[@]}"; do
     python3 accelerator.py "${model[@]}" --kernels= --decode_batch_sizes=1,64 \
     --out="$out/decode_variant$i.json"
 done
+# A chat reply streamed a call a token (ChatSession) against the sampler's loop, batch 1;
+# off unless CHAT_LIMIT is set (never measured on a GPU: each token's step is dispatched
+# before the token before it is read, which should matter most where a step is ~2 ms).
+[ "${CHAT_LIMIT:-0}" != 0 ] && run "$CHAT_LIMIT" chat_reply python3 chat_reply.py \
+  --shapes="${PRESET:-gemma3-1b}" --dtype="${DTYPE:-bfloat16}" --new_tokens=128 --rounds=5 \
+  --out="$out/chat_reply_gpu.json"
 [ "${PROFILE_LIMIT:-200}" = 0 ] && exit 0  # PROFILE_LIMIT=0: no profile (one is on record)
 run "${PROFILE_LIMIT:-200}" profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
   --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \

@@ -13,6 +13,7 @@ import pytest
 import gemma_jax as gj
 from gemma_jax import chat
 from gemma_jax.inference import decoding, make_decoding, sampler, sampling
+from gemma_jax.inference import chat_session
 from gemma_jax.inference.chat_session import ChatSession
 from gemma_jax.training import tokenizers
 from test_decoding import random_params
@@ -199,6 +200,7 @@ def test_session_keeps_one_cache_and_equals_a_full_recomputation():
   assert min(sampled) < 8 and max(sampled) == 8 and all(replies), (replies, sampled)
   session = ChatSession(config, params, tokenizer, max_length=256, system="Be brief.")
   apply = jax.jit(gj.transform(config).apply)
+  previous_unfed = False
   for turn, question in enumerate(questions):
     fed_before, ids_before = len(session.fed_chunks), len(session.ids)
     reply = "".join(session.send(question, max_new_tokens=8))
@@ -206,15 +208,20 @@ def test_session_keeps_one_cache_and_equals_a_full_recomputation():
                                     8)
     assert session.ids == ids and reply == replies[turn]
     assert session.reply_cut == (ids[-1] not in tokenizer.stop_ids)   # no stop id: cut
-    # The logits after the last token computed (the last sampled one is not fed yet)
-    # equal the full forward over the whole conversation before it.
-    full = apply(params, jnp.asarray([session.ids[:-1]]))[0, -1]
+    # The max_new_tokens-th token is never fed within its reply; an earlier stop id is
+    # (that step was dispatched before the token was read). The logits after the last
+    # token computed equal the full forward over the conversation so far.
+    unfed = sampled[turn] == 8
+    computed = sum(session.fed_chunks)
+    assert computed == len(session.ids) - unfed
+    full = apply(params, jnp.asarray([session.ids[:computed]]))[0, -1]
     np.testing.assert_allclose(session.logits, full, atol=3e-5)
-    # This turn computed only its own tokens: its new ids and the previous reply's last,
-    # unfed token, then one cached step per generated token but the last.
+    # This turn computed only its own tokens: its new ids (after the previous reply's
+    # last token, if that was left unfed), then one cached step per token sampled.
     new_ids = len(session.ids) - ids_before - sampled[turn]
     assert session.fed_chunks[fed_before:] == (
-        [new_ids + (1 if turn else 0)] + [1] * (sampled[turn] - 1))
+        [new_ids + previous_unfed] + [1] * (sampled[turn] - unfed))
+    previous_unfed = unfed
 
 
 def test_session_feeds_each_turn_at_a_bucket_width():
@@ -244,6 +251,28 @@ def test_session_feeds_each_turn_at_a_bucket_width():
     assert session.fed_chunks[before + 1:] == [1] * (len(session.fed_chunks) - before - 1)
     if question != "Hi!":
       assert (method, width) == ("extend", 32)
+
+
+def test_each_reply_step_is_dispatched_before_its_token_is_read(monkeypatch):
+  """The step that feeds a sampled token is called while that token is still a device
+  array not yet in `ids`, so its dispatch overlaps the step before it; the tokens fed are
+  the reply's, in order, and a reply cut at max_new_tokens feeds all but its last."""
+  config = small("gemma3-tiny", vocab_size=261)
+  tokenizer = tokenizers.ByteTokenizer()
+  session = ChatSession(config, chatty_params(config), tokenizer, max_length=256)
+  real, seen = chat_session._feed_and_choose, []
+
+  def spy(decoding, params, token, cache, rng, options):
+    seen.append((len(session.ids), token))
+    return real(decoding, params, token, cache, rng, options)
+
+  monkeypatch.setattr(chat_session, "_feed_and_choose", spy)
+  pieces = session.send("Hi there!", max_new_tokens=6)
+  before = len(session.ids)
+  "".join(pieces)
+  assert session.reply_cut and len(session.ids) == before + 6
+  assert [known for known, _ in seen] == [before + k for k in range(5)]
+  assert [int(token[0]) for _, token in seen] == session.ids[before:before + 5]
 
 
 def test_a_sampled_reply_draws_from_the_full_forwards_logits():
@@ -326,9 +355,11 @@ def test_a_reply_left_early_keeps_the_conversation_and_the_cache_in_step():
   pieces.close()
   first_turn = list(session.ids)
   assert first_turn[-1] not in tokenizer.stop_ids   # the reply was cut, not finished
+  assert sum(session.fed_chunks) == len(first_turn)   # its last token read is computed
   "".join(session.send("Spell cat.", max_new_tokens=8))
   assert session.ids[len(first_turn)] == tokenizer.end_of_turn_id
-  full = gj.transform(config).apply(params, jnp.asarray([session.ids[:-1]]))[0, -1]
+  computed = session.ids[:sum(session.fed_chunks)]
+  full = gj.transform(config).apply(params, jnp.asarray([computed]))[0, -1]
   np.testing.assert_allclose(session.logits, full, atol=3e-5)
 
 

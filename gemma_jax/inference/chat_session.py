@@ -90,7 +90,7 @@ class ChatSession:
       messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
           {"role": "user", "content": text}]
       return chat.render(messages, t, add_generation_prompt=True).ids
-    closing = [] if self._unfed == t.end_of_turn_id else [t.end_of_turn_id]
+    closing = [] if self.ids[-1] == t.end_of_turn_id else [t.end_of_turn_id]
     return np.concatenate([closing, t.encode(["\n"])[0], chat.turn_ids(t, "user", text),
                            chat.generation_prompt_ids(t)]).astype(np.int32)
 
@@ -157,15 +157,26 @@ class ChatSession:
   def _reply(self, max_new_tokens: int, rng: jax.Array,
              options: sampling.Sampling) -> Iterator[str]:
     """Samples the reply token by token. Each token sampled is in `ids` and, until the
-    cache holds it, in `_unfed`, so wherever the reader stops, `ids` and the cache agree."""
+    cache holds it, in `_unfed`, so wherever the reader stops, `ids` and the cache agree.
+
+    The step that feeds a token (and chooses the next) is dispatched before the token is
+    read back: its dispatch, the read and the text's decoding then overlap the step before
+    it on the device, where they used to leave it idle between tokens. So a reply's last
+    token is already fed where the reply ends at a stop id or the reader leaves early,
+    except the `max_new_tokens`-th, whose step is never dispatched."""
     reply, shown = [], ""
     self.reply_cut = False
     rng, key = jax.random.split(rng)
     chosen = _choose(self._logits, key, options)       # [1], fed back as it is
     while True:
+      last = len(reply) + 1 == max_new_tokens
+      if not last:
+        following, self._logits, self._cache, rng = _feed_and_choose(
+            self.decoding, self.params, chosen, self._cache, rng, options)
+        self.fed_chunks.append(1)
       token = int(np.asarray(chosen)[0])
       self.ids.append(token)
-      self._unfed = token
+      self._unfed = token if last else None
       if token in self.tokenizer.stop_ids:
         break
       reply.append(token)
@@ -173,13 +184,10 @@ class ChatSession:
       if not text_so_far.endswith("\ufffd") and len(text_so_far) > len(shown):
         yield text_so_far[len(shown):]
         shown = text_so_far
-      if len(reply) == max_new_tokens:
+      if last:
         self.reply_cut = True
         break
-      chosen, self._logits, self._cache, rng = _feed_and_choose(
-          self.decoding, self.params, chosen, self._cache, rng, options)
-      self.fed_chunks.append(1)
-      self._unfed = None
+      chosen = following
     final = self.tokenizer.decode(reply)
     if len(final) > len(shown):
       yield final[len(shown):]
