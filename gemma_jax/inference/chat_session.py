@@ -23,6 +23,7 @@ from gemma_jax.inference import decode_jit
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.inference import sampler
 from gemma_jax.inference import sampling
+from gemma_jax.inference import text_stream
 from gemma_jax.quant import kv_cache
 
 _choose = jax.jit(sampling.choose)   # one program per kind of options, whatever their values
@@ -164,12 +165,12 @@ class ChatSession:
     it on the device, where they used to leave it idle between tokens. So a reply's last
     token is already fed where the reply ends at a stop id or the reader leaves early,
     except the `max_new_tokens`-th, whose step is never dispatched."""
-    reply, shown = [], ""
+    stream = text_stream.TextStream(self.tokenizer)
     self.reply_cut = False
     rng, key = jax.random.split(rng)
     chosen = _choose(self._logits, key, options)       # [1], fed back as it is
     while True:
-      last = len(reply) + 1 == max_new_tokens
+      last = len(stream.ids) + 1 == max_new_tokens
       if not last:
         following, self._logits, self._cache, rng = _feed_and_choose(
             self.decoding, self.params, chosen, self._cache, rng, options)
@@ -179,15 +180,13 @@ class ChatSession:
       self._unfed = token if last else None
       if token in self.tokenizer.stop_ids:
         break
-      reply.append(token)
-      text_so_far = self.tokenizer.decode(reply)
-      if not text_so_far.endswith("\ufffd") and len(text_so_far) > len(shown):
-        yield text_so_far[len(shown):]
-        shown = text_so_far
+      piece = stream.add(token)
+      if piece:
+        yield piece
       if last:
         self.reply_cut = True
         break
       chosen = following
-    final = self.tokenizer.decode(reply)
-    if len(final) > len(shown):
-      yield final[len(shown):]
+    piece = stream.flush()
+    if piece:
+      yield piece
