@@ -4,6 +4,7 @@ a full recomputation of the whole conversation with the model's apply."""
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -273,6 +274,36 @@ def test_each_reply_step_is_dispatched_before_its_token_is_read(monkeypatch):
   assert session.reply_cut and len(session.ids) == before + 6
   assert [known for known, _ in seen] == [before + k for k in range(5)]
   assert [int(token[0]) for _, token in seen] == session.ids[before:before + 5]
+
+
+def test_a_reply_interrupted_while_reading_a_token_keeps_ids_and_cache_in_step(monkeypatch):
+  """A KeyboardInterrupt (a notebook's stop) in the read of a token whose step was already
+  dispatched: the cache holds that token, so the next turn puts it in `ids` first."""
+  config = small("gemma3-tiny", vocab_size=261)
+  params = chatty_params(config)
+  session = ChatSession(config, params, tokenizers.ByteTokenizer(), max_length=256)
+  reads = []
+
+  def asarray(value, *args, **kwargs):
+    if isinstance(value, jax.Array):
+      reads.append(value)
+      if len(reads) == 3:
+        raise KeyboardInterrupt
+    return np.asarray(value, *args, **kwargs)
+
+  monkeypatch.setattr(chat_session, "np", types.SimpleNamespace(asarray=asarray, **{
+      name: getattr(np, name) for name in ("full", "int32", "concatenate", "ndarray")}))
+  with pytest.raises(KeyboardInterrupt):   # at the reply's third token
+    "".join(session.send("Hi there!", max_new_tokens=8))
+  monkeypatch.undo()
+  first_turn, interrupted = list(session.ids), int(reads[2][0])
+  assert sum(session.fed_chunks) == len(first_turn) + 1   # the cache holds one id more
+  "".join(session.send("Spell cat.", max_new_tokens=8))
+  assert session.ids[len(first_turn)] == interrupted
+  computed = sum(session.fed_chunks)
+  assert computed in (len(session.ids), len(session.ids) - 1)
+  full = gj.transform(config).apply(params, jnp.asarray([session.ids[:computed]]))[0, -1]
+  np.testing.assert_allclose(session.logits, full, atol=3e-5)
 
 
 def test_a_sampled_reply_draws_from_the_full_forwards_logits():

@@ -80,6 +80,7 @@ class ChatSession:
     self.fed_chunks: List[int] = []  # tokens computed by each prefill or extend, in order
     self._cache = None
     self._unfed: Optional[int] = None   # the last sampled token, not yet in the cache
+    self._pending = None   # [1] a sampled token the cache holds, its read interrupted
     self._logits = None              # [1, V] after the last token computed
     self.reply_cut = False           # the last reply ended at max_new_tokens, not a stop id
 
@@ -139,6 +140,9 @@ class ChatSession:
     """
     options = sampling.Sampling.of(temperature, top_k, top_p, self.config.model.vocab_size)
     sampler.check_max_new_tokens(max_new_tokens)
+    if self._pending is not None:   # the last reply stopped (KeyboardInterrupt) reading it
+      self.ids.append(int(np.asarray(self._pending)[0]))
+      self._pending = None
     turn = self._turn_ids(text)
     needed = len(self.ids) + len(turn) + max_new_tokens
     if needed > self.max_length:
@@ -164,7 +168,9 @@ class ChatSession:
     read back: its dispatch, the read and the text's decoding then overlap the step before
     it on the device, where they used to leave it idle between tokens. So a reply's last
     token is already fed where the reply ends at a stop id or the reader leaves early,
-    except the `max_new_tokens`-th, whose step is never dispatched."""
+    except the `max_new_tokens`-th, whose step is never dispatched. A token fed but not
+    yet read is `_pending`, and goes into `ids` at the next turn should its read be
+    interrupted (KeyboardInterrupt in a notebook)."""
     stream = text_stream.TextStream(self.tokenizer)
     self.reply_cut = False
     rng, key = jax.random.split(rng)
@@ -175,8 +181,10 @@ class ChatSession:
         following, self._logits, self._cache, rng = _feed_and_choose(
             self.decoding, self.params, chosen, self._cache, rng, options)
         self.fed_chunks.append(1)
+        self._pending = chosen
       token = int(np.asarray(chosen)[0])
       self.ids.append(token)
+      self._pending = None
       self._unfed = token if last else None
       if token in self.tokenizer.stop_ids:
         break
