@@ -165,8 +165,8 @@ class ChatSession:
     cache holds it, in `_unfed`, so wherever the reader stops, `ids` and the cache agree.
 
     The step that feeds a token (and chooses the next) is dispatched before the token is
-    read back: its dispatch, the read and the text's decoding then overlap the step before
-    it on the device, where they used to leave it idle between tokens. So a reply's last
+    read back: its dispatch overlaps the step before it, and the token's text is decoded
+    while it runs, where the device used to sit idle through both. So a reply's last
     token is already fed where the reply ends at a stop id or the reader leaves early,
     except the `max_new_tokens`-th, whose step is never dispatched. A token fed but not
     yet read is `_pending`, and goes into `ids` at the next turn should its read be
