@@ -64,6 +64,14 @@ def layer_types(model: config_dict.ConfigDict) -> tuple:
   return tuple(types)
 
 
+def attention_shape(model: config_dict.ConfigDict, kind: str) -> tuple:
+  """(K, H): the key/value heads and head dim of a layer of attention type `kind`."""
+  if kind == "global":
+    return (model.global_num_kv_heads or model.num_kv_heads,
+            model.global_head_dim or model.head_dim)
+  return model.num_kv_heads, model.head_dim
+
+
 def kv_sharing_modes(model: config_dict.ConfigDict) -> tuple:
   """Per layer: None, "store" (the last layer of its attention type before the shared
   ones: its keys and values serve them) or "reuse" (a shared layer)."""

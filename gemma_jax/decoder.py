@@ -31,9 +31,10 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import remat
-from gemma_jax.config import kv_sharing_modes, layer_types
+from gemma_jax.config import attention_shape, kv_sharing_modes, layer_types
 from gemma_jax.layers.attention import (CausalBlocks, CausalMask, attention_mask,
-                                        causal_block_size, local_blocks, softcap)
+                                        causal_block_size, cudnn_fused, local_blocks,
+                                        softcap)
 from gemma_jax.layers.embed import Embed, sinusoidal
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.matmul import unfused
@@ -99,12 +100,14 @@ def scanned_layers(config: config_dict.ConfigDict) -> dict:
           for b in range(s.count) for j in range(period)}
 
 
-def fused_attention(config: config_dict.ConfigDict) -> bool:
-  """Whether attention runs as cuDNN's fused kernel, which skips masked tiles itself:
-  the "jax" kernel on a GPU in bfloat16 or float16 (otherwise XLA's implementation,
-  which computes every logit it is given)."""
-  return (config.attention_kernel == "jax" and jax.default_backend() == "gpu"
-          and config.dtype in ("bfloat16", "float16"))
+def fused_attention(config: config_dict.ConfigDict, kind: str) -> bool:
+  """Whether layers of attention type `kind` run as cuDNN's fused kernel, which skips
+  masked tiles itself: the "jax" kernel where cuDNN takes the type's heads
+  (`attention.cudnn_fused`: a GPU, bfloat16 or float16, not too wide). Otherwise XLA's
+  implementation computes every logit it is given, so the layer takes its mask in
+  blocks."""
+  return (config.attention_kernel == "jax"
+          and cudnn_fused(attention_shape(config, kind)[1], config.dtype))
 
 
 def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
@@ -113,27 +116,27 @@ def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
   """{attention type: [B, T, T] mask} for the types present; spans are bidirectional
   only in `bidirectional_span_types`. With `blocked`, where there are no spans, a layer
   that skips masked work gets its mask in the form its kernel skips it in: for a fused
-  kernel (`fused`, default `fused_attention(config)`), `attention.CausalMask`, with no
-  array when rows are not `packed` (one document each: the structure is the whole
-  mask); else a local layer's is `attention.LocalBlocks` once T > 2 x window, and any
+  kernel (`fused`, default per type `fused_attention(config, kind)`),
+  `attention.CausalMask`, with no array when rows are not `packed` (one document each:
+  the structure is the whole mask); else a local layer's is `attention.LocalBlocks` once T > 2 x window, and any
   other's `attention.CausalBlocks` once T holds two causal blocks."""
   t = segment_ids.shape[1]
   index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
-  fused = fused_attention(config) if fused is None else fused
   masks = {}
   for kind in sorted(set(layer_types(config))):
+    fused_kind = fused_attention(config, kind) if fused is None else fused
     spans = span_ids if kind in config.bidirectional_span_types else None
     window = config.sliding_window if kind == "local" else None
-    if blocked and fused and spans is None and not packed:
+    if blocked and fused_kind and spans is None and not packed:
       masks[kind] = CausalMask(None, window)
       continue
-    if (blocked and not fused and spans is None and kind == "local"
+    if (blocked and not fused_kind and spans is None and kind == "local"
         and t > 2 * config.sliding_window):
       masks[kind] = local_blocks(segment_ids, config.sliding_window)
       continue
     masks[kind] = attention_mask(index, index, segment_ids, segment_ids, q_spans=spans,
                                  kv_spans=spans, window=window)
-    if blocked and spans is None and fused:
+    if blocked and spans is None and fused_kind:
       masks[kind] = CausalMask(masks[kind], window)
     elif blocked and spans is None and t >= 2 * causal_block_size(t):
       masks[kind] = CausalBlocks(masks[kind])

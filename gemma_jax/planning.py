@@ -20,6 +20,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import decoder, lora, quant, sharding
+from gemma_jax.config import attention_shape
 from gemma_jax.inference import decoding
 from gemma_jax.layers import attention
 from gemma_jax.transformer import transform
@@ -43,9 +44,7 @@ def _bytes_per_device(config: config_dict.ConfigDict, sizes: dict, shapes: dict)
 def _kept_per_token(m, kind: str, policy: str) -> int:
   """Elements per token that the backward pass keeps of one layer of attention type
   `kind` under `policy` (attention probabilities aside)."""
-  global_ = kind == "global"
-  h = (m.global_head_dim or m.head_dim) if global_ else m.head_dim
-  kv = (m.global_num_kv_heads or m.num_kv_heads) if global_ else m.num_kv_heads
+  kv, h = attention_shape(m, kind)
   qkv = (m.num_heads + 2 * kv) * h
   d = m.d_model
   hidden = m.mlp_dim + m.experts_per_token * m.expert_mlp_dim * bool(m.num_experts)

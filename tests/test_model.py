@@ -15,7 +15,7 @@ from absl.testing import parameterized
 
 import gemma_jax as gj
 from gemma_jax import decoder, modules, remat
-from gemma_jax.layers import norms
+from gemma_jax.layers import attention, norms
 from gemma_jax.layers.attention import CausalBlocks, CausalMask, LocalBlocks
 from gemma_jax.transformer import positions_from_segments
 from jaxpr_shapes import shapes
@@ -358,7 +358,7 @@ def test_fused_kernel_takes_causal_masks_with_their_structure():
     np.testing.assert_array_equal(masks[kind].mask, dense[kind])
   assert not isinstance(
       decoder.layer_masks(m, segments, segments, blocked=True, fused=True)["local"], CausalMask)
-  assert not decoder.fused_attention(m)                # float32: XLA's on any backend
+  assert not decoder.fused_attention(m, "local")       # float32: XLA's on any backend
   assert isinstance(decoder.layer_masks(m, segments, blocked=True)["local"], LocalBlocks)
   toks = tokens()
   params = gj.transform(config).init(jax.random.key(0), toks)
@@ -395,7 +395,7 @@ def test_rows_of_one_document_reach_the_fused_kernel_as_structure_alone():
         model.loss(p, toks[:, :-1], toks[:, 1:], **kwargs))
     return jax.value_and_grad(objective)(params)
 
-  with mock.patch.object(decoder, "fused_attention", lambda c: True), \
+  with mock.patch.object(decoder, "fused_attention", lambda c, kind: True), \
        mock.patch.object(jax.nn, "dot_product_attention", recorded):
     value, grads = value_and_grads(gj.transform(config))
   t = toks.shape[1] - 1
@@ -405,6 +405,36 @@ def test_rows_of_one_document_reach_the_fused_kernel_as_structure_alone():
                                              segment_ids=ones[:, :-1])
   np.testing.assert_allclose(value, expected, rtol=1e-5)
   chex.assert_trees_all_close(grads, expected_grads, rtol=1e-4, atol=1e-5)
+
+
+def test_heads_too_wide_for_cudnn_take_their_mask_in_blocks():
+  """On a GPU whose cuDNN takes the local layers' heads but not the wider global ones
+  (Gemma 4's 512 on Hopper; Gemma 3's 256 before it), only the local layers get
+  `CausalMask`: the global ones run XLA's attention, which computes every logit it is
+  given, so they take `CausalBlocks` and skip the causal mask's upper triangle. The
+  decoder's output under that mix equals the dense masks' (einsum kernel)."""
+  config = tiny(num_layers=2, attention_pattern=("local", "global"), global_head_dim=16,
+                attention_kernel="jax", dtype="bfloat16")
+  m = config.model
+  toks = tokens(b=1, t=512)
+  segments = jnp.ones_like(toks)
+  with mock.patch.object(jax, "default_backend", return_value="gpu"), \
+      mock.patch.object(attention, "cudnn_head_dim_limit", return_value=8):
+    assert decoder.fused_attention(m, "local") and not decoder.fused_attention(m, "global")
+    masks = decoder.layer_masks(m, segments, blocked=True, packed=False)
+    packed = decoder.layer_masks(m, segments, blocked=True)
+  assert masks["local"] == CausalMask(None, m.sliding_window), masks["local"]
+  assert isinstance(masks["global"], CausalBlocks) and isinstance(packed["global"], CausalBlocks)
+  assert isinstance(packed["local"], CausalMask) and packed["local"].mask is not None
+  m.dtype = "float32"
+  params = gj.transform(config).init(jax.random.key(0), toks)
+  positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+  run = lambda model, masks: decoder.Decoder(model).apply(
+      {"params": params}, toks, positions, segments, masks=masks)
+  mixed = run(m, masks)
+  m.attention_kernel = "einsum"
+  expected = run(m, decoder.layer_masks(m, segments))
+  np.testing.assert_allclose(mixed, expected, rtol=1e-5, atol=1e-5)
 
 
 def assert_blocked_logits_match_dense(config, toks, segments):

@@ -171,6 +171,13 @@ def cudnn_head_dim_limit() -> int:
   return 256 if capability and float(capability) >= 9.0 else 128
 
 
+def cudnn_fused(head_dim: int, dtype) -> bool:
+  """Whether cuDNN's fused attention runs heads of `head_dim` in `dtype` on the default
+  backend: a GPU, bfloat16 or float16, a multiple of 8 up to `cudnn_head_dim_limit()`."""
+  return (jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+          and head_dim <= cudnn_head_dim_limit() and head_dim % 8 == 0)
+
+
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           mask: Optional[jax.Array], logit_softcap: Optional[float] = None,
                           kernel: str = "einsum", *, causal: bool = False,
@@ -193,9 +200,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     chex.assert_equal(logit_softcap, None)
     if causal and q.shape[1] % 2:
       return _attention_at_even_length(q, k, v, mask, window)
-    cudnn = (jax.default_backend() == "gpu" and (causal or mask is None)
-             and q.dtype in (jnp.bfloat16, jnp.float16)
-             and q.shape[-1] <= cudnn_head_dim_limit() and q.shape[-1] % 8 == 0)
+    cudnn = (causal or mask is None) and cudnn_fused(q.shape[-1], q.dtype)
     return jax.nn.dot_product_attention(
         q, k, v, mask=None if mask is None else mask[:, None], scale=1.0, is_causal=causal,
         local_window_size=None if window is None else (window - 1, 0),

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import config_dict
 
+from gemma_jax.config import attention_shape
 from gemma_jax.layers import activation_stats
 from gemma_jax.layers.attention import Attention
 from gemma_jax.layers.mlp import GatedMlp
@@ -47,12 +48,9 @@ class Gemma3Layer(nn.Module):
     c = self.config
     is_global = self.attention_type == "global"
     kind = self.attention_type
-    head_dim = (c.global_head_dim if is_global and c.global_head_dim else c.head_dim)
+    kv_heads, head_dim = attention_shape(c, kind)
     return Attention(
-        num_heads=c.num_heads,
-        num_kv_heads=(c.global_num_kv_heads if is_global and c.global_num_kv_heads
-                      else c.num_kv_heads),
-        head_dim=head_dim, query_scale=(c.query_pre_attn_scalar or head_dim) ** -0.5,
+        num_heads=c.num_heads, num_kv_heads=kv_heads, head_dim=head_dim, query_scale=(c.query_pre_attn_scalar or head_dim) ** -0.5,
         rope_base=c[f"rope_{kind}_base"], rope_scale=c[f"rope_{kind}_scale"],
         rope_fraction=c[f"rope_{kind}_fraction"], use_qk_norm=c.use_qk_norm,
         use_value_norm=c.use_value_norm, k_eq_v=is_global and c.global_k_eq_v,

@@ -14,15 +14,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import config_dict
 
-from gemma_jax.decoder import layer_types
-
-
-def _attention_shape(config: config_dict.ConfigDict, kind: str):
-  """(K, H) of a layer of attention type `kind`."""
-  if kind == "global":
-    return (config.global_num_kv_heads or config.num_kv_heads,
-            config.global_head_dim or config.head_dim)
-  return config.num_kv_heads, config.head_dim
+from gemma_jax.config import attention_shape, layer_types
 
 
 def matmul_params(config: config_dict.ConfigDict) -> int:
@@ -33,7 +25,7 @@ def matmul_params(config: config_dict.ConfigDict) -> int:
   mlp_matrices = 2 if config.block_type == "gpt3" else 3   # GPT-3's MLP is not gated
   total = config.vocab_size * d
   for kind in layer_types(config):
-    k, h = _attention_shape(config, kind)
+    k, h = attention_shape(config, kind)
     values = 0 if kind == "global" and config.global_k_eq_v else d * k * h
     total += 2 * d * n * h + d * k * h + values + mlp_matrices * d * config.mlp_dim
     if config.num_experts:
@@ -50,7 +42,7 @@ def training_flops_per_token(config: config_dict.ConfigDict, seq_len: int,
   attention = 0
   for kind in layer_types(config):
     keys = seq_len if kind == "global" else min(seq_len, config.sliding_window)
-    attention += 2 * 2 * config.num_heads * _attention_shape(config, kind)[1] * keys
+    attention += 2 * 2 * config.num_heads * attention_shape(config, kind)[1] * keys
   per_base_param = 4 if adapter_params else 6
   return per_base_param * matmul_params(config) + 6.0 * adapter_params + 3.0 * attention
 
