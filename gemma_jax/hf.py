@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import sys
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
@@ -874,15 +875,42 @@ def check_destination(path: str, marker: str) -> None:
                           "directory or over an earlier export")
 
 
+_STAGING = re.compile(r"\.hf-save-(\d+)@(.*)-[0-9a-f]{16}")
+
+
+def _remove_abandoned_staging(parent: str) -> None:
+  """Removes the staging directories in `parent` that a killed save on this host left
+  (`write_into_place` names each by process and host; one whose process is gone holds
+  either an unfinished checkpoint or, after the swap, the replaced one). A `-old` copy
+  is kept: a kill between `_move_into_place`'s two renames leaves it as the only one."""
+  for name in os.listdir(parent):
+    match = _STAGING.fullmatch(name)
+    if match and match[2] == socket.gethostname() and not _process_alive(int(match[1])):
+      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:     # another user's
+    pass
+  return True
+
+
 def write_into_place(path: str, write: Callable[[str], None], replaced: re.Pattern) -> None:
   """A checkpoint directory at `path`, whole or not at all: `write(staging)` fills a new
   directory next to it; the files of an existing `path` are carried over (hard links)
   except those written, those `replaced` matches and, when a tokenizer is written, the
-  old tokenizer's; the result is synced and moved into place (`_move_into_place`)."""
+  old tokenizer's; the result is synced and moved into place (`_move_into_place`).
+  Staging a killed save left in that parent is removed first."""
   path = os.path.realpath(path)
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
-  staging = os.path.join(parent, f".hf-save-{secrets.token_hex(8)}")
+  _remove_abandoned_staging(parent)
+  staging = os.path.join(parent, f".hf-save-{os.getpid()}@{socket.gethostname()}-"
+                                 f"{secrets.token_hex(8)}")
   os.mkdir(staging)   # the umask's mode, as a plain new directory (mkdtemp's is 0700)
   try:
     write(staging)

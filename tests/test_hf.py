@@ -5,6 +5,8 @@ import functools
 import json
 import os
 import re
+import socket
+import subprocess
 import sys
 
 import jax
@@ -519,6 +521,25 @@ def test_save_without_renameat2_restores_the_previous_checkpoint(tmp_path, monke
     gj.hf.save(out, config, jax.tree.map(lambda x: 2 * x, params))
   np.testing.assert_array_equal(_saved_embedding(out), params["embed"]["embedding"])
   assert os.listdir(tmp_path) == ["out"]
+
+
+def test_save_removes_staging_that_a_killed_save_left(tmp_path, two_layers):
+  """A save killed mid-way (SIGKILL, the OOM killer) leaves its hidden staging directory;
+  the next save into the same parent removes it. Kept: the staging of a live process,
+  one from another host, any `-old` copy (a kill between the fallback's two renames
+  leaves the only copy there) and the user's own dot-directories."""
+  config, params = two_layers
+  child = subprocess.Popen([sys.executable, "-c", "pass"])
+  child.wait()
+  host = socket.gethostname()
+  abandoned = f".hf-save-{child.pid}@{host}-{'a' * 16}"
+  kept = [f".hf-save-{os.getpid()}@{host}-{'b' * 16}",
+          f".hf-save-{child.pid}@other-host-{'c' * 16}",
+          f".hf-save-{child.pid}@{host}-{'d' * 16}-old", ".hf-save-notes"]
+  for name in [abandoned] + kept:
+    os.makedirs(tmp_path / name / "part")
+  gj.hf.save(str(tmp_path / "out"), config, params)
+  assert sorted(os.listdir(tmp_path)) == sorted(kept + ["out"])
 
 
 @pytest.mark.parametrize("hard_links", [True, False])
