@@ -2,14 +2,20 @@ r"""One attention layer's forward and forward+backward, per kernel, at gemma3-1b
 
     python benchmarks/attention_kernels.py                    # 4 x 2048, window 512 and global
     python benchmarks/attention_kernels.py --seq_len=8192
+    python benchmarks/attention_kernels.py --batch_size=1 --seq_len=8192 --heads=16 \
+        --kv_heads=2 --head_dim=512 --layer_types=global   # Gemma 4 26B-A4B's global layer
 
-Queries [B, T, 4, 256] over one key/value head (gemma3-1b), in bfloat16 on a GPU and
-float32 elsewhere, under a causal mask with the sliding window (local layers) or without
-(global layers), one document per row. Variants:
+Queries [B, T, 4, 256] over one key/value head (gemma3-1b; `--heads`, `--kv_heads`,
+`--head_dim` for others), in bfloat16 on a GPU and float32 elsewhere, under a causal
+mask with the sliding window (local layers) or without (global layers), one document
+per row. Variants:
 
 - "einsum (blocks)": our kernel as the decoder runs it (`LocalBlocks` / `CausalBlocks`);
-- "jax: mask + structure": the "jax" kernel as the decoder runs it (`CausalMask`:
-  the [B, T, T] mask, causal, window), cuDNN's on a GPU;
+- "jax (blocks)": the "jax" kernel on those blocks, as the decoder runs it for heads
+  cuDNN does not take (XLA's implementation block by block);
+- "jax: mask + structure": the "jax" kernel given `CausalMask` (the [B, T, T] mask,
+  causal, window), as the decoder runs it for heads cuDNN takes: cuDNN's on a GPU,
+  else XLA's over every logit;
 - "cudnn: structure only": `jax.nn.dot_product_attention` with the structure and no mask
   array (what a row of one document needs);
 - "tokamax ...": tokamax's flash attention (Pallas Triton and Mosaic GPU), where tokamax
@@ -35,10 +41,13 @@ from gemma_jax.layers import attention
 _BATCH = flags.DEFINE_integer("batch_size", 4, "Rows.")
 _SEQ = flags.DEFINE_integer("seq_len", 2048, "Tokens per row.")
 _WINDOW = flags.DEFINE_integer("window", 512, "Sliding window of the local layer.")
+_HEADS = flags.DEFINE_integer("heads", 4, "Query heads.")
+_KV_HEADS = flags.DEFINE_integer("kv_heads", 1, "Key/value heads.")
+_HEAD_DIM = flags.DEFINE_integer("head_dim", 256, "Head width.")
+_LAYER_TYPES = flags.DEFINE_list("layer_types", ["local", "global"],
+                                 "Layers to time: local (the window) and / or global.")
 _OUT = flags.DEFINE_string("out", None, "JSON output; default "
                            "benchmarks/results/attention_kernels_<backend>.json.")
-
-HEADS, KV_HEADS, HEAD_DIM = 4, 1, 256
 
 
 def variants(seq_len: int, window):
@@ -47,14 +56,16 @@ def variants(seq_len: int, window):
   index = jnp.broadcast_to(jnp.arange(seq_len), segments.shape)
   dense = attention.attention_mask(index, index, segments, segments, window=window)
   out = {}
-  if window and seq_len > 2 * window:
-    blocks = attention.local_blocks(segments, window)
-    out["einsum (blocks)"] = lambda q, k, v: attention.local_block_attention(q, k, v, blocks)
-  elif seq_len >= 2 * attention.causal_block_size(seq_len):
-    causal = attention.CausalBlocks(dense)
-    out["einsum (blocks)"] = lambda q, k, v: attention.causal_block_attention(q, k, v, causal)
-  else:
-    out["einsum (blocks)"] = lambda q, k, v: attention.dot_product_attention(q, k, v, dense)
+  for kernel in ("einsum", "jax"):
+    if window and seq_len > 2 * window:
+      blocks = attention.local_blocks(segments, window)
+      fn = functools.partial(attention.local_block_attention, blocks=blocks, kernel=kernel)
+    elif seq_len >= 2 * attention.causal_block_size(seq_len):
+      blocks = attention.CausalBlocks(dense)
+      fn = functools.partial(attention.causal_block_attention, blocks=blocks, kernel=kernel)
+    else:
+      fn = functools.partial(attention.dot_product_attention, mask=dense, kernel=kernel)
+    out[f"{kernel} (blocks)"] = fn
   out["jax: mask + structure"] = lambda q, k, v: attention.dot_product_attention(
       q, k, v, dense, kernel="jax", causal=True, window=window)
   band = None if window is None else (window - 1, 0)
@@ -92,10 +103,12 @@ def main(argv):
   b, t = _BATCH.value, _SEQ.value
   dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
   rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, HEAD_DIM)) / 16, dtype)
-             for n in (HEADS, KV_HEADS, KV_HEADS))
+  heads, kv_heads, head_dim = _HEADS.value, _KV_HEADS.value, _HEAD_DIM.value
+  q, k, v = (jnp.asarray(rng.standard_normal((b, t, n, head_dim)) / 16, dtype)
+             for n in (heads, kv_heads, kv_heads))
   results, rows = [], []
-  for window in (_WINDOW.value, None):
+  windows = {"local": _WINDOW.value, "global": None}
+  for window in (windows[kind] for kind in _LAYER_TYPES.value):
     reference = None
     for name, fn in variants(t, window).items():
       layer = "local" if window else "global"
@@ -118,11 +131,12 @@ def main(argv):
       results.append(r)
       print(rows[-1], flush=True)
   common.print_table(
-      f"{jax.devices()[0].device_kind}: attention over {b} x {t} tokens, {HEADS} heads, "
-      f"{KV_HEADS} key/value head, head dim {HEAD_DIM}, {jnp.dtype(dtype).name}",
+      f"{jax.devices()[0].device_kind}: attention over {b} x {t} tokens, {heads} heads, "
+      f"{kv_heads} key/value heads, head dim {head_dim}, {jnp.dtype(dtype).name}",
       ["layer", "kernel", "forward ms", "forward+backward ms", "max diff vs first"], rows)
   common.write_json(common.output_path(_OUT.value, "attention_kernels"),
                     {"batch_size": b, "seq_len": t, "dtype": jnp.dtype(dtype).name,
+                     "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
                      "results": results})
 
 

@@ -26,6 +26,7 @@
 #    launch-bound at 726 kernels a token; 410 / 28,500 with the loop's while and
 #    conditionals as CUDA graphs, the sixth lease);
 # 4. CHAT_LIMIT (off by default): benchmarks/chat_reply.py, a streamed chat reply;
+#    WIDE_LIMIT (off by default): a 512-wide global attention layer, blocks against one call;
 # 5. benchmarks/profile_step.py: the step by kernel, and the device's idle gaps (the
 #    fifth lease: 1.8 ms a step between kernels).
 # NORM_LIMIT=0 / STEP_LIMIT=0 skip the first stages, NORM_AB=0 the step with XLA's norm
@@ -122,6 +123,12 @@ done
 [ "${CHAT_LIMIT:-0}" != 0 ] && run "$CHAT_LIMIT" chat_reply python3 chat_reply.py \
   --shapes="${PRESET:-gemma3-1b}" --dtype="${DTYPE:-bfloat16}" --new_tokens=128 --rounds=5 \
   --out="$out/chat_reply_gpu.json"
+# Gemma 4 26B-A4B's global layer (16 heads, 2 key/value heads, 512 wide: more than cuDNN
+# takes) at 1 x 8192: the "jax" kernel in causal blocks, as the decoder now runs it,
+# against the one call over every logit it ran before; off unless WIDE_LIMIT is set.
+[ "${WIDE_LIMIT:-0}" != 0 ] && run "$WIDE_LIMIT" wide_heads python3 attention_kernels.py \
+  --batch_size=1 --seq_len=8192 --heads=16 --kv_heads=2 --head_dim=512 \
+  --layer_types=global --out="$out/attention_kernels_wide_gpu.json"
 [ "${PROFILE_LIMIT:-200}" = 0 ] && exit 0  # PROFILE_LIMIT=0: no profile (one is on record)
 run "${PROFILE_LIMIT:-200}" profile_step python3 profile_step.py "${model[@]}" --batch_size="$rows" \
   --param_dtype=bfloat16 --loss=chunked --attention_kernel=jax \
