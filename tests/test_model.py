@@ -524,3 +524,28 @@ def test_jax_attention_kernel_matches_einsum(preset):
     loss = lambda p, model=model: jnp.mean(model.apply(p, toks, segment_ids=segments) ** 2)
     results[kernel] = jax.value_and_grad(loss)(params)
   chex.assert_trees_all_close(results["jax"], results["einsum"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["gemma3-tiny", "gemma4-tiny", "gemma4-moe-tiny",
+                                    "gpt3-52k", "parallel-tiny"])
+def test_every_family_runs_alike_with_64_bit_types_enabled(preset):
+  """A user's process with `jax_enable_x64` on (and so int64 token ids): every family's
+  parameters, loss and gradients stay float32 and equal those of a 32-bit process."""
+  config = gj.get_config(preset)
+  config.model.num_layers = min(2, config.model.num_layers)   # two layers: the same code
+  ids = np.random.RandomState(0).randint(0, config.model.vocab_size, (2, 12))
+
+  def run():
+    toks = jnp.asarray(ids)
+    model = gj.transform(config)
+    params = model.init(jax.random.key(0), toks)
+    loss = lambda p: model.loss(p, toks).cross_entropy
+    return toks.dtype, params, jax.value_and_grad(loss)(params)
+
+  dtype32, params32, expected = run()
+  with jax.enable_x64(True):
+    dtype64, params64, got = run()
+  assert (dtype32, dtype64) == (jnp.int32, jnp.int64)
+  assert {x.dtype for x in jax.tree.leaves((params64, got))} == {jnp.dtype(jnp.float32)}
+  chex.assert_trees_all_close(params64, params32)
+  chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-6)
