@@ -118,8 +118,9 @@ def layer_masks(config: config_dict.ConfigDict, segment_ids: jax.Array,
   that skips masked work gets its mask in the form its kernel skips it in: for a fused
   kernel (`fused`, default per type `fused_attention(config, kind)`),
   `attention.CausalMask`, with no array when rows are not `packed` (one document each:
-  the structure is the whole mask); else a local layer's is `attention.LocalBlocks` once T > 2 x window, and any
-  other's `attention.CausalBlocks` once T holds two causal blocks."""
+  the structure is the whole mask); else a local layer's is `attention.LocalBlocks`
+  once T > 2 x window, and any other's `attention.CausalBlocks` once T holds two
+  causal blocks."""
   t = segment_ids.shape[1]
   index = jnp.broadcast_to(jnp.arange(t), segment_ids.shape)
   masks = {}

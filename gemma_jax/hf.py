@@ -904,7 +904,7 @@ def write_into_place(path: str, write: Callable[[str], None], replaced: re.Patte
   directory next to it; the files of an existing `path` are carried over (hard links)
   except those written, those `replaced` matches and, when a tokenizer is written, the
   old tokenizer's; the result is synced and moved into place (`_move_into_place`).
-  Staging a killed save left in that parent is removed first."""
+  Staging that a killed save left in that parent is removed first."""
   path = os.path.realpath(path)
   parent = os.path.dirname(path)
   os.makedirs(parent, exist_ok=True)
