@@ -16,15 +16,10 @@ shardings=...)`, each device's part read alone). GPT-2 checkpoints (`GPT2LMHeadM
 `gemma_jax.hf_gpt2`.
 """
 
-import ctypes
 import functools
 import json
 import os
 import re
-import secrets
-import shutil
-import socket
-import sys
 from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import flax
@@ -39,6 +34,8 @@ from gemma_jax import hf_vision
 from gemma_jax import quant
 from gemma_jax import safetensors_io
 from gemma_jax import sharded_read
+from gemma_jax.checkpoints import CheckpointError
+from gemma_jax.checkpoints import directory
 from gemma_jax.decoder import layer_types, scan_segments, stack_layers, unstack_layers
 from gemma_jax.transformer import transform
 
@@ -128,10 +125,6 @@ _LM_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 _VISION = {"gemma3": (hf_vision, "Gemma3ForConditionalGeneration", "language_model.model."),
            "gemma4": (hf_gemma4_vision, "Gemma4ForConditionalGeneration",
                       "model.language_model.")}
-
-
-class CheckpointError(ValueError):
-  """A checkpoint's tensors do not fit the model its config describes."""
 
 
 def _hf_tensor(path: Tuple[str, ...]) -> _Tensor:
@@ -701,106 +694,23 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
                               views, is_leaf=lambda x: isinstance(x, sharded_read.LayerStack))
 
 
-def _write_json(file: str, value: dict) -> None:
-  """Writes `value` as indented JSON to `file`, synced to disk."""
-  with open(file, "w") as f:
-    json.dump(value, f, indent=2)
-    f.flush()
-    os.fsync(f.fileno())
-
-
-def _fsync(path: str) -> None:
-  """Flushes a file's or a directory's entries to disk."""
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-def _exchange(a: str, b: str) -> bool:
-  """Swaps two existing paths in one atomic step: Linux's renameat2(RENAME_EXCHANGE).
-
-  False where it did not happen (not Linux, a libc without renameat2, a kernel or file
-  system without the flag, or any other failure); the call then moved nothing.
-  """
-  if not sys.platform.startswith("linux"):
-    return False
-  try:
-    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-  except (AttributeError, OSError):
-    return False
-  renameat2.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                        ctypes.c_uint)
-  at_fdcwd, rename_exchange = -100, 2   # from <fcntl.h> and <linux/fs.h>
-  return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def _move_into_place(staging: str, path: str) -> None:
-  """Renames the complete, synced directory `staging` to `path`, replacing what is there.
-
-  An existing `path` is swapped with `staging` in one atomic step where `_exchange` can,
-  then the old copy (now at `staging`) is removed. Elsewhere two renames replace it,
-  path -> `staging`-old and staging -> path, the first undone if the second fails; a
-  crash between them leaves the old checkpoint only at `staging`-old.
-  """
-  if not os.path.exists(path):
-    os.rename(staging, path)
-    old = None
-  elif _exchange(staging, path):
-    old = staging
-  else:
-    old = f"{staging}-old"
-    os.rename(path, old)
-    try:
-      os.rename(staging, path)
-    except BaseException:
-      os.rename(old, path)
-      raise
-  _fsync(os.path.dirname(os.path.abspath(path)))   # the renames themselves
-  if old:
-    shutil.rmtree(old)
-
-
-# What `save` writes, and weights of an earlier checkpoint in the directory it replaces.
-_REPLACED = re.compile(r"config\.json|.*\.safetensors(\.index\.json)?|"
-                       r"pytorch_model.*\.bin(\.index\.json)?")
-
-
-# A tokenizer's files, as transformers' tokenizers save them.
-_TOKENIZER = re.compile(r"tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|"
-                        r"added_tokens\.json")
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-  """Hard-links `src` at `dst`; copies it (synced) where a link cannot be made."""
-  try:
-    os.link(src, dst)
-  except OSError:
-    shutil.copy2(src, dst)
-    _fsync(dst)
-
-
 def save(path: str, config: config_dict.ConfigDict, params: dict, *,
-         write_extra: Optional[Callable[[str], None]] = None) -> None:
+         write_extra: Optional[Callable[[str], None]] = None, overwrite: bool = False,
+         source: Optional[str] = None) -> None:
   """Writes config.json and model.safetensors that transformers' from_pretrained reads
   (and, for a Gemma 4 image model, the preprocessor_config.json of its resize budget).
   `params` are the config's model's, LoRA adapters merged (`lora.merge`); parameters
   missing, unexpected or of another shape are a CheckpointError listing them.
 
   `write_extra(directory)`, if given, writes more files (tokenizer, generation config)
-  into the new checkpoint before it is moved into place; they replace files of the same
-  name in `path`.
+  into the new checkpoint before it is moved into place.
 
-  The directory is written and synced to disk next to `path`, then moved into place
-  (`_move_into_place`), so an existing checkpoint at `path` is only replaced by a whole
-  one. Files already in `path` (tokenizer, README, ...) are kept, except the files it
-  writes, weight files (*.safetensors, their index, pytorch_model*.bin) and, when
-  `write_extra` writes a tokenizer, the old tokenizer's files. A symlink to a directory
-  is followed. A `path` that holds a training run's checkpoints, or folders and no
-  config.json, is refused.
+  The directory is written whole or not at all, and only where it is ours
+  (`gemma_jax.checkpoints.directory`): `path` must be new, empty, or an earlier save of
+  the same `source` (the workdir exported; None for a model saved here) holding nothing
+  else; `overwrite` replaces anything else whole. A training workdir is never replaced.
   """
-  check_destination(path, "config.json")
+  directory.check_destination(path, directory.MODEL, source, overwrite)
   if config.model.block_type not in ("gemma3", "gemma4", "gpt3"):
     raise CheckpointError(f"config.model.block_type: transformers has no layout for "
                           f"{config.model.block_type!r}")
@@ -819,113 +729,21 @@ def save(path: str, config: config_dict.ConfigDict, params: dict, *,
   tensors = {name: np.concatenate([p[i] for i in sorted(p)], axis=-2) if len(p) > 1 else p[0]
              for name, p in parts.items()}
 
-  def write(staging):
-    _write_json(os.path.join(staging, "config.json"), hf_config)
+  def fill(staging):
+    directory.write_json(os.path.join(staging, "config.json"), hf_config)
     safetensors_io.write(os.path.join(staging, "model.safetensors"), tensors)  # synced
     if config.model.vision.enabled and config.model.block_type == "gemma4":
       processor = hf_gemma4_vision.processor_to_hf(config.model.vision)
-      _write_json(os.path.join(staging, "preprocessor_config.json"), processor)
-      # An earlier processor_config.json's nested image processor, which transformers
-      # reads first, takes the same budget (its other settings kept).
+      directory.write_json(os.path.join(staging, "preprocessor_config.json"), processor)
+      # The processor_config.json being replaced (with `overwrite`), whose nested image
+      # processor transformers reads first, keeps its other settings with this budget.
       nested = os.path.join(path, "processor_config.json")
       if os.path.isfile(nested) and isinstance(
           read_json_object(nested).get("image_processor"), dict):
         earlier = read_json_object(nested)
-        _write_json(os.path.join(staging, "processor_config.json"), dict(
+        directory.write_json(os.path.join(staging, "processor_config.json"), dict(
             earlier, image_processor=dict(earlier["image_processor"], **processor)))
     if write_extra is not None:
       write_extra(staging)
 
-  write_into_place(path, write, _REPLACED)
-
-
-# The file that marks each kind of checkpoint directory the exports write.
-_MARKERS = {"config.json": "a transformers model", "adapter_config.json": "peft adapters"}
-
-
-def check_destination(path: str, marker: str) -> None:
-  """CheckpointError unless `path` may be written by `write_into_place`: absent (under
-  directories, not files), or a directory that holds no training run, no checkpoint of
-  the other kind (`_MARKERS`: transformers loads adapters found beside a model onto it,
-  and a model export would delete adapter_model.safetensors as an old weight file) and,
-  if it holds folders, `marker` (the file a checkpoint of that kind has: it is replaced
-  whole, and a run writing in one of those folders, runs/ holding workdirs, would lose
-  its files under it)."""
-  if os.path.lexists(path) and not os.path.isdir(path):
-    raise CheckpointError(f"{path}: exists and is not a directory")
-  if not os.path.isdir(path):
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(parent):
-      parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-      raise CheckpointError(f"{path}: {parent} exists and is not a directory")
-    return
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    raise CheckpointError(f"{path}: holds a training run's checkpoints, whose config.json "
-                          "the export would replace: export to a directory of its own")
-  for other, kind in _MARKERS.items():
-    if other != marker and os.path.isfile(os.path.join(path, other)):
-      raise CheckpointError(f"{path}: holds {kind} ({other}), which this export of "
-                            f"{_MARKERS[marker]} would mix with: export to a directory of "
-                            "its own")
-  folders = sorted(entry.name for entry in os.scandir(path) if entry.is_dir())
-  if folders and not os.path.isfile(os.path.join(path, marker)):
-    raise CheckpointError(f"{path}: holds folders ({', '.join(folders[:3])}) and no "
-                          f"{marker}, so it is no checkpoint of this kind: export to a new "
-                          "directory or over an earlier export")
-
-
-_STAGING = re.compile(r"\.hf-save-(\d+)@(.*)-[0-9a-f]{16}")
-
-
-def _remove_abandoned_staging(parent: str) -> None:
-  """Removes the staging directories in `parent` that a killed save on this host left
-  (`write_into_place` names each by process and host; one whose process is gone holds
-  either an unfinished checkpoint or, after the swap, the replaced one). A `-old` copy
-  is kept: a kill between `_move_into_place`'s two renames leaves it as the only one."""
-  for name in os.listdir(parent):
-    match = _STAGING.fullmatch(name)
-    if match and match[2] == socket.gethostname() and not _process_alive(int(match[1])):
-      shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _process_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:     # another user's
-    pass
-  return True
-
-
-def write_into_place(path: str, write: Callable[[str], None], replaced: re.Pattern) -> None:
-  """A checkpoint directory at `path`, whole or not at all: `write(staging)` fills a new
-  directory next to it; the files of an existing `path` are carried over (hard links)
-  except those written, those `replaced` matches and, when a tokenizer is written, the
-  old tokenizer's; the result is synced and moved into place (`_move_into_place`).
-  Staging that a killed save left in that parent is removed first."""
-  path = os.path.realpath(path)
-  parent = os.path.dirname(path)
-  os.makedirs(parent, exist_ok=True)
-  _remove_abandoned_staging(parent)
-  staging = os.path.join(parent, f".hf-save-{os.getpid()}@{socket.gethostname()}-"
-                                 f"{secrets.token_hex(8)}")
-  os.mkdir(staging)   # the umask's mode, as a plain new directory (mkdtemp's is 0700)
-  try:
-    write(staging)
-    written = set(os.listdir(staging))
-    # A new tokenizer replaces the old one's files whatever their names: transformers
-    # prefers tokenizer.json, so an old one beside a new tokenizer.model would win.
-    replaced = [replaced] + [_TOKENIZER] * any(map(_TOKENIZER.fullmatch, written))
-    if os.path.isdir(path):
-      shutil.copytree(path, staging, symlinks=True, copy_function=_link_or_copy,
-                      dirs_exist_ok=True, ignore=lambda folder, names: [
-                          n for n in names if folder == path and (
-                              any(r.fullmatch(n) for r in replaced) or n in written)])
-    for folder, _, _ in os.walk(staging):
-      _fsync(folder)
-    _move_into_place(staging, path)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
+  directory.write(path, fill, kind=directory.MODEL, source=source, overwrite=overwrite)

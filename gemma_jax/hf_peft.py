@@ -11,7 +11,6 @@ lora_a [*I, r] and lora_b [r, *O] (`gemma_jax.lora`). The update is
 (lora_alpha / r) B A in both. Adapters of the vision tower and GPT-2 are not mapped.
 """
 
-import json
 import os
 import re
 from typing import Dict, Tuple
@@ -22,8 +21,9 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import hf, lora, safetensors_io
+from gemma_jax.checkpoints import CheckpointError
+from gemma_jax.checkpoints import directory
 from gemma_jax.decoder import stack_layers, unstack_layers
-from gemma_jax.hf import CheckpointError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -76,30 +76,27 @@ def _target_modules(modules, num_layers: int):
   return "|".join(re.escape(f"model.{m}") for m in sorted(modules))
 
 
-# An earlier adapter's files, which a new one replaces.
-_ADAPTER_FILES = re.compile(r"adapter_(config\.json|model\..*)")
-
-
-def save(directory: str, config: config_dict.ConfigDict, adapters: dict,
-         base_model_name_or_path: str = None) -> None:
+def save(path: str, config: config_dict.ConfigDict, adapters: dict,
+         base_model_name_or_path: str = None, *, overwrite: bool = False,
+         source: str = None) -> None:
   """Writes `adapters` (`lora.split`'s, in the config's layout) as a peft LoRA directory
-  for the model `gemma_jax.hf.save(..., config, ...)` writes, moved into place whole as
-  `hf.save`'s checkpoints are (other files of `directory` kept)."""
+  for the model `gemma_jax.hf.save(..., config, ...)` writes, whole or not at all and
+  only where it is ours, as `hf.save` writes (`overwrite` and `source` as there)."""
   _check_family(config)
   if config.model.vision.enabled:
     raise CheckpointError("config.model.vision.enabled: peft adapters are mapped for "
                           "text-only models (Gemma3ForCausalLM, Gemma4ForCausalLM)")
-  hf.check_destination(directory, CONFIG_FILE)
+  directory.check_destination(path, directory.ADAPTERS, source, overwrite)
   flat = flax.traverse_util.flatten_dict(unstack_layers(adapters, config.model))
   tensors, modules = {}, set()
-  for path, value in flat.items():
+  for key, value in flat.items():
     value = np.asarray(jax.device_get(value))
-    if path[-1] == "lora_a":   # [*I, r] -> [r, in], as the kernel [*I, *O] -> [out, in]
-      value = hf._to_hf(value, path[:-1] + ("kernel",))[2]   # pylint: disable=protected-access
-    else:                      # [r, *O] -> [out, r]
+    if key[-1] == "lora_a":   # [*I, r] -> [r, in], as the kernel [*I, *O] -> [out, in]
+      value = hf._to_hf(value, key[:-1] + ("kernel",))[2]   # pylint: disable=protected-access
+    else:                     # [r, *O] -> [out, r]
       value = value.reshape(value.shape[0], -1).T
-    tensors[_key(path)] = value
-    modules.add(_hf_module(path)[0])
+    tensors[_key(key)] = value
+    modules.add(_hf_module(key)[0])
   adapter_config = {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": config.lora.rank,
       "lora_alpha": config.lora.alpha, "lora_dropout": config.lora.dropout,
@@ -108,20 +105,18 @@ def save(directory: str, config: config_dict.ConfigDict, adapters: dict,
       "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
       "init_lora_weights": True, "inference_mode": True}
 
-
-  def write(staging):
+  def fill(staging):
     safetensors_io.write(os.path.join(staging, WEIGHTS_FILE), tensors)
-    with open(os.path.join(staging, CONFIG_FILE), "w") as f:
-      json.dump(adapter_config, f, indent=2)
+    directory.write_json(os.path.join(staging, CONFIG_FILE), adapter_config)
 
   # Whole or not at all: new adapters beside an old adapter_config.json (another alpha)
   # would load as good.
-  hf.write_into_place(directory, write, _ADAPTER_FILES)
+  directory.write(path, fill, kind=directory.ADAPTERS, source=source, overwrite=overwrite)
 
 
-def _read_config(directory: str, config: config_dict.ConfigDict) -> None:
+def _read_config(path: str, config: config_dict.ConfigDict) -> None:
   """Checks adapter_config.json against config.lora and what this mapping implements."""
-  file = os.path.join(directory, CONFIG_FILE)
+  file = os.path.join(path, CONFIG_FILE)
   peft_config = hf.read_json_object(file)
   for key, allowed in _REQUIRED.items():
     if peft_config.get(key, allowed[0]) not in allowed:
@@ -145,7 +140,7 @@ def _text_name(name: str) -> str:
   return rest[len(prefix):]
 
 
-def load(directory: str, config: config_dict.ConfigDict) -> dict:
+def load(path: str, config: config_dict.ConfigDict) -> dict:
   """Reads a peft LoRA directory -> adapters in the config's layout and param_dtype,
   for `lora.combine` with the base model's parameters.
 
@@ -155,8 +150,8 @@ def load(directory: str, config: config_dict.ConfigDict) -> dict:
       mapping does not implement (rsLoRA, DoRA, biases, per-module ranks, ...).
   """
   _check_family(config)
-  _read_config(directory, config)
-  file = os.path.join(directory, WEIGHTS_FILE)
+  _read_config(path, config)
+  file = os.path.join(path, WEIGHTS_FILE)
   if not os.path.isfile(file):
     raise CheckpointError(f"{file}: missing (only safetensors adapters are read)")
   try:

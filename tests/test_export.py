@@ -146,3 +146,55 @@ def test_export_of_a_workdir_without_a_model_is_one_error_line(tmp_path, make, f
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("export.py: error: ") and message in lines[0]
   assert not (tmp_path / "out").exists()
+
+
+def _files(path):
+  """{relative name: bytes} of every file under `path`."""
+  return {os.path.relpath(os.path.join(folder, name), path):
+          open(os.path.join(folder, name), "rb").read()
+          for folder, _, names in os.walk(path) for name in names}
+
+
+@pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--peft", "--overwrite"]])
+def test_export_never_writes_over_the_base_the_run_adapts(route, flags):
+  """`--out` naming the run's own train.init_from replaced the base with the merged
+  weights, and the workdir then applied its adapters twice, silently. Refused before
+  anything is read or written, --overwrite or not."""
+  base = route / "base"
+  before = _files(base)
+  result = app("export", f"--workdir={route / 'lora'}", f"--out={base}", *flags)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [
+      f"export.py: error: --out={base} is the checkpoint {route / 'lora'} was trained from "
+      "(train.init_from), which an export never replaces: export to another directory"]
+  assert _files(base) == before
+
+
+def test_export_writes_only_where_it_is_its_own(route, tmp_path):
+  """A directory of other files lost them (every *.safetensors, pytorch_model*.bin and
+  config.json went): refused in one line with nothing touched; --overwrite replaces it
+  whole (none of its files beside ours); the workdir's own earlier export is replaced;
+  a file the user added to it is named, not deleted."""
+  out = tmp_path / "out"
+  out.mkdir()
+  foreign = {"vae_weights.safetensors": os.urandom(64), "pytorch_model_notes.bin": b"notes",
+             "config.json": b'{"model_type": "vae"}'}
+  for name, data in foreign.items():
+    (out / name).write_bytes(data)
+  export = lambda *flags: app("export", f"--workdir={route / 'lora'}", f"--out={out}", *flags)
+  result = export()
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines() == [
+      f"export.py: error: {out}: holds a transformers model (config.json) that no export "
+      "of this kind and run wrote: export to a new or empty directory, or pass "
+      "overwrite=True (export.py --overwrite) to replace it whole"]
+  assert _files(out) == foreign
+  assert export("--overwrite").returncode == 0
+  assert sorted(os.listdir(out)) == sorted(os.listdir(route / "lora_hf"))
+  assert _files(out)["model.safetensors"] == _files(route / "lora_hf")["model.safetensors"]
+  assert export().returncode == 0   # its own earlier export
+  (out / "README.md").write_text("# notes\n")
+  result = export()
+  assert result.returncode == 1 and "holds README.md, which the earlier export did not " \
+      "write" in result.stderr
+  assert (out / "README.md").read_text() == "# notes\n"
