@@ -19,6 +19,7 @@ import tokenizers as hf_tokenizers
 
 from gemma_jax import chat
 from gemma_jax.config import ConfigError
+from gemma_jax.training import data
 
 # Names of the special tokens, by the marker style they belong to.
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -203,7 +204,10 @@ def _token_names(directory: str) -> dict:
   if os.path.isfile(path):
     try:
       with open(path, encoding="utf-8") as f:
-        config = json.load(f)
+        text = f.read()
+      if data.json_too_deep(text):
+        raise ValueError(f"arrays and objects nest deeper than {data.MAX_JSON_DEPTH} levels")
+      config = json.loads(text)
     except (OSError, ValueError) as error:
       raise ConfigError("data.tokenizer", f"{path!r} is not JSON ({error})") from None
     for key in names:
@@ -216,8 +220,9 @@ def _token_names(directory: str) -> dict:
 
 def _load_file(path: str):
   if path.endswith(".json"):
+    names = _token_names(os.path.dirname(path))
     try:
-      return JsonTokenizer(path, _token_names(os.path.dirname(path)))
+      return JsonTokenizer(path, names)
     except Exception as error:  # pylint: disable=broad-except
       # tokenizers raises its own Exception subclass for a file it cannot parse.
       raise ConfigError("data.tokenizer", f"{path!r} is not a tokenizers tokenizer.json "
