@@ -6,9 +6,10 @@ LoRA run's adapters merged) or a transformers save_pretrained directory.
     printf 'What is 12 plus 30?\n/quit\n' | python experiments/chat.py --workdir=runs/lora \
         --temperature=0
 
-Each line read is a user turn; the reply streams as it is generated and stops at the
-model's end of turn. The conversation keeps one KV cache, so a turn computes only its
-own tokens. `/reset` starts a new conversation; `/quit` or end of input ends.
+Each line read is a user turn, encoded as text (a typed "<end_of_turn>" is characters,
+not the marker); the reply streams as it is generated and stops at the model's end of
+turn. The conversation keeps one KV cache, so a turn computes only its own tokens.
+`/reset` starts a new conversation; `/quit` or end of input ends.
 """
 
 import sys

@@ -21,7 +21,9 @@ from gemma_jax import apps
 from gemma_jax.inference import sampler
 
 _MODEL = apps.define_model_flags()
-_PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue.")
+_PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue, encoded as text: a "
+                              "control token's name in it (<end_of_turn>, <bos>) stays "
+                              "characters; for a conversation use chat.py.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate at most.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.8, "Softmax temperature; 0 is greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k likeliest tokens; 0: all.")
@@ -30,8 +32,8 @@ _TOP_P = flags.DEFINE_float("top_p", 1.0, "Then among the likeliest of this prob
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _IMAGE = flags.DEFINE_multi_string("image", [], "An image file for a model with vision "
                                    "(repeatable); each fills the prompt's next image marker "
-                                   "(Gemma 3: <start_of_image>, Gemma 4: <|image|>), or goes "
-                                   "before the prompt's text.")
+                                   "(Gemma 3: <start_of_image>, Gemma 4: <|image|>, written in "
+                                   "--prompt), or goes before the prompt's text.")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "Dtype of the cached keys and values, "
                                    f"one of {', '.join(gj.quant.kv_cache.CACHE_DTYPES)} (int8: "
                                    "with per-token, per-head scales); default: bfloat16 on "

@@ -10,6 +10,10 @@ style, markers <|turn>/<turn|>) gives the system message a turn of its own. The 
 and the marker ids are the tokenizer's (see training/tokenizers.py). Text between two
 special tokens is encoded on its own, as transformers' `apply_chat_template` does.
 
+The template alone puts control ids in: a message's content is text, so a marker typed
+in it ("<end_of_turn><start_of_turn>model") is encoded as its characters, where
+`apply_chat_template` (which renders to a string, then tokenizes it) reads a new turn.
+
 Weights are 1 on the tokens the model must learn to produce: a model turn's content and
 its end-of-turn marker. The "\\n" after the marker is weighted 0: generation stops at the
 marker, and whoever continues the conversation writes the "\\n".

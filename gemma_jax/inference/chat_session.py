@@ -129,6 +129,7 @@ class ChatSession:
            top_k: int = 0, top_p: float = 1.0, seed: int = 0) -> Iterator[str]:
     """The model's reply to the user's `text`, yielded as text pieces while it is
     generated (a piece is held back while it ends inside a multi-byte character).
+    `text` is encoded as text: a marker typed in it ("<end_of_turn>") is not one.
 
     The turn is checked and computed here, at the call; the reply is sampled as it is
     read. A reply read in part (the loop left early) ends the turn where it was left: the

@@ -12,7 +12,7 @@ Dims: B batch, P prompt length, N new tokens, V vocab.
 
 import functools
 import time
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +24,26 @@ from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.inference import sampling
 from gemma_jax.models import towers
 from gemma_jax.quant import kv_cache
+
+
+# Per family, the name that places an image in a text prompt given with images, and the
+# vision config field holding its id.
+IMAGE_MARKERS = {"gemma3": ("<start_of_image>", "boi_token_id"),
+                 "gemma4": ("<|image|>", "image_token_id")}
+
+
+def encode_image_prompts(tokenizer, texts: Sequence[str],
+                         model: config_dict.ConfigDict) -> list:
+  """Text prompts given with images -> their ids (no BOS): each image marker's name
+  (`IMAGE_MARKERS`, by `model.block_type`) is the marker's id, the text around it
+  encoded as text."""
+  name, field = IMAGE_MARKERS[model.block_type]
+  encoded = []
+  for text in texts:
+    first, *rest = tokenizer.encode(text.split(name))
+    encoded.append(np.asarray([*first, *[i for ids in rest for i in (model.vision[field], *ids)]],
+                              np.int32))
+  return encoded
 
 
 def check_max_new_tokens(max_new_tokens: int) -> None:
@@ -96,11 +116,16 @@ class Sampler:
   """Text in, text out: config, params and a tokenizer (`encode`, `decode`, `bos_id`,
   `stop_ids`, `pad_id`, e.g. `gemma_jax.training.tokenizers`).
 
+  A prompt is text, encoded as text: a control token's name typed in it
+  ("<end_of_turn>", "<bos>") stays characters. A prompt that needs control tokens (a
+  chat prompt: `gemma_jax.chat.render(messages, tokenizer, add_generation_prompt=True)
+  .ids`) is given as its token ids.
+
   Args:
     config: the experiment config (its `model` section is used).
     params: the model's parameters.
-    tokenizer: prompts are encoded after its BOS id; generation stops at its `stop_ids`
-      (EOS and the end-of-turn marker).
+    tokenizer: text prompts are encoded after its BOS id; generation stops at its
+      `stop_ids` (EOS and the end-of-turn marker).
     cache_dtype: dtype of cached keys and values, one of `kv_cache.CACHE_DTYPES` (int8:
       with per-token, per-head scales); default `decoding.default_cache_dtype(config)`.
   """
@@ -117,27 +142,34 @@ class Sampler:
     """The continuation of one prompt; options as in `sample`."""
     return self.sample([prompt], **options).texts[0]
 
-  def sample(self, prompts: Sequence[str], *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+  def sample(self, prompts: Sequence[Union[str, Sequence[int]]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              images: Optional[Sequence[Sequence]] = None) -> Samples:
     """Continues each prompt by up to `max_new_tokens` tokens; options as in
     `sampling.Sampling.of` (any values share a program: only greedy or not, top_k's
     power of two and whether top_p < 1 compile anew).
 
+    prompts: each a text (encoded after the BOS id), or token ids taken as they are
+      (BOS included, as `chat.render` gives them).
     images: per prompt, its images (files, PIL images or arrays; a model with vision).
       Each fills the prompt's next image marker (Gemma 3: `vision.boi_token_id`,
       "<start_of_image>"; Gemma 4: `vision.image_token_id`, "<|image|>"; a prompt holds
-      as many markers as images); a prompt without markers gets one per image in front
-      of its text.
+      as many markers as images, a text prompt by the marker's name, which stands for
+      the marker only where images are given); a prompt without markers gets one per
+      image in front of its text.
     """
     options = sampling.Sampling.of(temperature, top_k, top_p, self.config.model.vocab_size)
     check_max_new_tokens(max_new_tokens)
-    if isinstance(prompts, str) or not prompts:
+    if isinstance(prompts, str) or not len(prompts):
       raise ValueError(f"prompts must be a non-empty sequence of strings, got {prompts!r}"
                        + (" (for one prompt call the sampler itself: sampler(prompt))"
                           if isinstance(prompts, str) else ""))
     t = self.tokenizer
-    rows = [np.concatenate([[t.bos_id], ids]) for ids in t.encode(list(prompts))]
+    texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+    encoded = iter(t.encode(texts) if images is None else
+                   encode_image_prompts(t, texts, self.config.model))
+    rows = [np.concatenate([[t.bos_id], next(encoded)]) if isinstance(prompt, str)
+            else np.asarray(prompt, np.int32) for prompt in prompts]
     pixels = None
     if images is not None:
       rows, pixels = towers.prompts_with_images(rows, images, self.config.model, t.encode)
