@@ -30,6 +30,7 @@ from gemma_jax import image_inputs
 from gemma_jax import remat
 from gemma_jax import safetensors_io
 from gemma_jax.config import ConfigError, vision_config
+from gemma_jax.inference import sampler
 from gemma_jax.layers.attention import Attention
 from gemma_jax.models import towers
 from gemma_jax.training import tokenizers
@@ -503,8 +504,8 @@ def test_placeholders_match_gemma3_processor(prompt):
 
 @pytest.mark.parametrize("prompt", [p for p in PROMPTS if "<start_of_image>" in p])
 def test_sampler_prompts_match_gemma3_processor(tmp_path, prompt):
-  """What `Sampler.sample(prompts, images=...)` builds (our tokenizer's ids, then
-  `towers.prompts_with_images` with its encode) equals the processor's ids, newline runs
+  """What `Sampler.sample(prompts, images=...)` builds (our tokenizer's ids with each
+  marker's id, then `towers.prompts_with_images` with its encode) equals the processor's ids, newline runs
   next to a marker merged (the chat template's "user\\n<start_of_image>": the runs had
   stayed two tokens)."""
   processor = tiny_processor()
@@ -518,7 +519,8 @@ def test_sampler_prompts_match_gemma3_processor(tmp_path, prompt):
   config.model.vision.update(boi_token_id=tok.boi_token_id, eoi_token_id=tok.eoi_token_id,
                              image_token_id=tok.image_token_id, tokens_per_image=3,
                              double_newline_token_id=NEWLINES[2], image_size=28)
-  row = np.concatenate([[ours.bos_id], ours.encode([prompt])[0]])
+  row = np.concatenate([[ours.bos_id],
+                        sampler.encode_image_prompts(ours, [prompt], config.model)[0]])
   rows, _ = towers.prompts_with_images([row], [images], config.model, ours.encode)
   assert rows[0].tolist() == [ours.bos_id] + expected.tolist()   # this tokenizer adds none
 
