@@ -34,9 +34,15 @@ def load_image(path: str) -> np.ndarray:
 
   Raises:
     ImportError when the file is not `.npy` and Pillow is not installed.
+    ValueError naming a `.npy` file that holds no plain array (a pickled one is not read:
+      loading it could run any code).
   """
   if os.fspath(path).endswith(".npy"):
-    return to_rgb(np.load(path))
+    try:
+      array = np.load(path, allow_pickle=False)
+    except (ValueError, EOFError) as error:
+      raise ValueError(f"{path}: not a .npy file of a plain array ({error})") from None
+    return to_rgb(array)
   try:
     from PIL import Image  # pylint: disable=import-outside-toplevel
   except ImportError as error:
