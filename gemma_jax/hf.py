@@ -28,6 +28,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
+from gemma_jax import hf_fields
 from gemma_jax import hf_gemma4_vision
 from gemma_jax import hf_tower
 from gemma_jax import hf_vision
@@ -43,6 +44,7 @@ _ACTIVATIONS = {"gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "silu": "silu"
                 "relu": "relu"}
 _ATTENTION_TYPES = {"sliding_attention": "local", "full_attention": "global"}
 _HF_ATTENTION_TYPES = {v: k for k, v in _ATTENTION_TYPES.items()}
+_ROPE_TYPES = hf_fields.one_of(("default", "linear", "proportional"))
 # model_type of a text config -> (our block type, the causal LM class it saves as).
 _FAMILIES = {"gemma3_text": ("gemma3", "Gemma3ForCausalLM"),
              "gemma4_text": ("gemma4", "Gemma4ForCausalLM")}
@@ -139,51 +141,43 @@ def _hf_tensor(path: Tuple[str, ...]) -> _Tensor:
 # ----------------------------------------------------------------------------- configs
 
 
-class _Section(dict):
-  """Keys of a config.json section named `where`; a missing one is a CheckpointError."""
-
-  def __init__(self, keys: dict, where: str):
-    super().__init__(keys)
-    self.where = where
-
-  def __missing__(self, key):
-    raise CheckpointError(f"config.json: {self.where}{key} is missing and has no default")
-
-
-def _text_config(hf: dict) -> _Section:
-  """The text model's config keys (with its model_type), Gemma 3's defaults filled in."""
-  model_type = hf.get("model_type")
-  text, where = hf, ""
+def _text_config(hf: hf_fields.Section) -> Tuple[str, hf_fields.Section]:
+  """(model_type, the text model's section of a config.json, its family's defaults
+  filled in)."""
+  model_type = hf.read("model_type", hf_fields.optional(hf_fields.STRING), None)
+  text = hf
   if model_type in _MULTIMODAL:
-    text, where = hf.get("text_config") or {}, "text_config."
-    model_type = text.get("model_type", _MULTIMODAL[model_type])
+    text = hf.section("text_config")
+    model_type = text.read("model_type", hf_fields.STRING, _MULTIMODAL[model_type])
   if model_type not in _FAMILIES:
-    raise CheckpointError(f"config.json: unsupported {where}model_type {model_type!r}: this "
-                          f"reader knows {sorted([*_FAMILIES, *_MULTIMODAL, 'gpt2'])}")
+    raise hf_fields.FieldError(
+        f"unsupported {text.where}model_type {model_type!r}: this reader knows "
+        f"{sorted([*_FAMILIES, *_MULTIMODAL, 'gpt2'])}")
   defaults = _GEMMA3_DEFAULTS if model_type == "gemma3_text" else _GEMMA4_DEFAULTS
-  return _Section({**defaults, **text, "model_type": model_type}, where)
+  return model_type, hf_fields.Section(text.values, text.where, defaults)
 
 
-def _rope(text: dict, layer_type: str, legacy_theta: str) -> Tuple[float, float, float]:
+def _rope(text: hf_fields.Section, layer_type: str,
+          legacy_theta: str) -> Tuple[float, float, float]:
   """(base, linear scale, rotated fraction) of one layer type, from either config generation."""
-  params = (text.get("rope_parameters") or {}).get(layer_type)
-  if params is None:  # transformers 4: rope_theta / rope_local_base_freq / rope_scaling
-    params = {"rope_type": "default"}
-    if layer_type == "full_attention" and text.get("rope_scaling"):
-      params.update(text["rope_scaling"])
-  kind = params.get("rope_type", params.get("type", "default"))
-  if kind not in ("default", "linear", "proportional"):
-    raise CheckpointError(f"rope_parameters[{layer_type}]: unsupported rope_type {kind!r}")
-  scale = float(params.get("factor", 1.0)) if kind != "default" else 1.0
-  fraction = float(params.get("partial_rotary_factor", 1.0))
+  per_type = text.section("rope_parameters")
+  if per_type.read(layer_type, hf_fields.optional(hf_fields.OBJECT), None) is not None:
+    params = per_type.section(layer_type)
+  elif layer_type == "full_attention":   # transformers 4: rope_theta and rope_scaling
+    params = text.section("rope_scaling")
+  else:   # transformers 4: rope_local_base_freq
+    params = hf_fields.Section({}, text.where)
+  kind = params.read("rope_type" if "rope_type" in params else "type", _ROPE_TYPES, "default")
+  scale = float(params.read("factor", hf_fields.POSITIVE, 1.0)) if kind != "default" else 1.0
+  fraction = float(params.read("partial_rotary_factor", hf_fields.FRACTION, 1.0))
   if fraction != 1.0 and kind != "proportional":
     # transformers' Gemma rotates whole heads by cos and sin of the fraction's width:
     # such a checkpoint does not run there, and reading it as whole rotation is wrong.
-    raise CheckpointError(f"rope_parameters[{layer_type}]: partial_rotary_factor "
-                          f"{fraction} with rope_type {kind!r}; only 'proportional' "
-                          "rotates part of a head")
-  base = params["rope_theta"] if "rope_theta" in params else text[legacy_theta]
-  return float(base), scale, fraction
+    raise params.error("partial_rotary_factor", f"{fraction} with rope_type {kind!r}; only "
+                       "'proportional' rotates part of a head")
+  if "rope_theta" in params:
+    return float(params.read("rope_theta", hf_fields.POSITIVE)), scale, fraction
+  return float(text.read(legacy_theta, hf_fields.POSITIVE)), scale, fraction
 
 
 def _pattern(kinds, last_exempt: bool = False) -> Tuple[str, ...]:
@@ -199,101 +193,132 @@ def _pattern(kinds, last_exempt: bool = False) -> Tuple[str, ...]:
   raise AssertionError("unreachable: the full list is its own period")
 
 
-def _gemma4_fields(text: dict, kinds) -> dict:
+def _global_override(text: hf_fields.Section, global_layers: list) -> hf_fields.Section:
+  """The one override in transformers 5's per_layer_config (what differs, layer by layer),
+  which must override every global layer alike and no other layer."""
+  per_layer = text.section("per_layer_config")
+  layers = {}
+  for key in per_layer.keys():
+    if not (isinstance(key, str) and key.isascii() and key.isdecimal()):
+      raise per_layer.error(key, "expected a layer index")
+    layers[int(key)] = per_layer.section(key)
+  empty = hf_fields.Section({}, per_layer.where)
+  override = layers.get(global_layers[0], empty) if global_layers else empty
+  if set(layers) - set(global_layers) or any(
+      layers.get(i, empty).values != override.values for i in global_layers):
+    raise text.error("per_layer_config", "must override every global layer alike and no "
+                     "other layer")
+  extra = set(override.keys()) - {"head_dim", "num_key_value_heads"}
+  if extra:
+    raise text.error("per_layer_config", f"overrides {sorted(extra)}")
+  return override
+
+
+def _gemma4_fields(text: hf_fields.Section, kinds) -> dict:
   """Our Gemma 4 model fields from its transformers text config."""
-  if text.get("use_bidirectional_attention") not in (None, "vision"):
-    raise CheckpointError(f"config.json: use_bidirectional_attention="
-                          f"{text['use_bidirectional_attention']!r} is not supported")
+  optional = hf_fields.optional
+  bidirectional = text.read("use_bidirectional_attention", optional(hf_fields.one_of(
+      ["vision"])), None)
   global_layers = [i for i, kind in enumerate(kinds) if kind == "global"]
-  if "per_layer_config" in text:   # transformers 5: what differs, layer by layer
-    per_layer = {int(i): v for i, v in (text["per_layer_config"] or {}).items()}
-    override = per_layer.get(global_layers[0], {}) if global_layers else {}
-    if set(per_layer) - set(global_layers) or any(
-        per_layer.get(i, {}) != override for i in global_layers):
-      raise CheckpointError("config.json: per_layer_config must override every global "
-                            "layer alike and no other layer")
-    extra = set(override) - {"head_dim", "num_key_value_heads"}
-    if extra:
-      raise CheckpointError(f"config.json: per_layer_config overrides {sorted(extra)}")
-    head_dim = override.get("head_dim", text["head_dim"])
-    kv_heads = override.get("num_key_value_heads", text["num_key_value_heads"])
+  k_eq_v = bool(text.read("attention_k_eq_v", optional(hf_fields.FLAG), None))
+  head_dim = text.read("head_dim", hf_fields.POSITIVE_INT)
+  kv_heads = text.read("num_key_value_heads", hf_fields.POSITIVE_INT)
+  if "per_layer_config" in text:
+    override = _global_override(text, global_layers)
+    head_dim = override.read("head_dim", hf_fields.POSITIVE_INT, head_dim)
+    kv_heads = override.read("num_key_value_heads", hf_fields.POSITIVE_INT, kv_heads)
   else:   # the published form; transformers' defaults
-    head_dim = text.get("global_head_dim", 512) or text["head_dim"]
-    kv_heads = ((text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"))
-                or text["num_key_value_heads"])
+    head_dim = text.read("global_head_dim", optional(hf_fields.COUNT), 512) or head_dim
+    kv_heads = (k_eq_v and text.read("num_global_key_value_heads",
+                                     optional(hf_fields.COUNT), None)) or kv_heads
+  per_layer_dim = text.read("hidden_size_per_layer_input", optional(hf_fields.COUNT)) or 0
   fields = dict(
       norm_plus_one=False, use_value_norm=True, query_pre_attn_scalar=1.0,
       final_layer_global=True,
       # Image spans see each other both ways in local layers, where the config asks
       # ("vision"); the small models attend causally throughout.
-      bidirectional_span_types=(("local",) if text.get("use_bidirectional_attention")
-                                == "vision" else ()),
+      bidirectional_span_types=("local",) if bidirectional == "vision" else (),
       global_head_dim=head_dim if global_layers else None,
       global_num_kv_heads=kv_heads if global_layers else None,
-      global_k_eq_v=bool(text.get("attention_k_eq_v")),
-      per_layer_input_dim=text["hidden_size_per_layer_input"] or 0,
-      per_layer_vocab_size=(text["vocab_size_per_layer_input"]
-                            if text["hidden_size_per_layer_input"] else None),
-      num_kv_shared_layers=text["num_kv_shared_layers"] or 0,
-      double_wide_mlp=bool(text["use_double_wide_mlp"]))
-  if text.get("enable_moe_block"):
-    fields.update(num_experts=text["num_experts"], experts_per_token=text["top_k_experts"],
-                  expert_mlp_dim=text["moe_intermediate_size"])
+      global_k_eq_v=k_eq_v,
+      per_layer_input_dim=per_layer_dim,
+      per_layer_vocab_size=(text.read("vocab_size_per_layer_input", hf_fields.POSITIVE_INT)
+                            if per_layer_dim else None),
+      num_kv_shared_layers=text.read("num_kv_shared_layers", optional(hf_fields.COUNT)) or 0,
+      double_wide_mlp=bool(text.read("use_double_wide_mlp", optional(hf_fields.FLAG))))
+  if text.read("enable_moe_block", optional(hf_fields.FLAG), None):
+    fields.update({ours: text.read(key, hf_fields.POSITIVE_INT) for ours, key in (
+        ("num_experts", "num_experts"), ("experts_per_token", "top_k_experts"),
+        ("expert_mlp_dim", "moe_intermediate_size"))})
   return fields
 
 
-def config_from_hf(hf: dict) -> config_dict.ConfigDict:
-  """A transformers config.json (as a dict) -> our full config."""
-  text = _text_config(hf)
-  block_type = _FAMILIES[text["model_type"]][0]
+def config_from_hf(hf: dict, file: str = "config.json") -> config_dict.ConfigDict:
+  """A transformers config.json (as a dict) -> our full config. Raises CheckpointError
+  naming `file` and the first field that is missing, of the wrong kind or not supported."""
+  try:
+    return _read_config(hf_fields.Section(hf))
+  except hf_fields.FieldError as error:
+    raise CheckpointError(f"{file}: {error}") from None
+
+
+def _read_config(hf: hf_fields.Section) -> config_dict.ConfigDict:
+  """config_from_hf's reading, field by field (FieldError naming the first bad one)."""
+  model_type, text = _text_config(hf)
+  block_type = _FAMILIES[model_type][0]
   for field, ok in (("attention_bias", False),) + (
       (("use_bidirectional_attention", False),) if block_type == "gemma3" else ()):
-    if text.get(field, ok) != ok:
-      raise CheckpointError(f"config.json: {field}={text[field]} is not supported")
-  if not text.get("tie_word_embeddings", hf.get("tie_word_embeddings", True)):
-    raise CheckpointError("config.json: tie_word_embeddings=false is not supported")
-  if text["hidden_activation"] not in _ACTIVATIONS:
-    raise CheckpointError(f"config.json: unknown hidden_activation {text['hidden_activation']!r}")
-  n_layers = text["num_hidden_layers"]
-  hf_types = text.get("layer_types") or [
-      "full_attention" if (i + 1) % text.get("sliding_window_pattern", 6) == 0
-      else "sliding_attention" for i in range(n_layers)]
+    if text.read(field, hf_fields.FLAG, ok) != ok:
+      raise text.error(field, f"only {json.dumps(ok)} is supported")
+  tied = hf.read("tie_word_embeddings", hf_fields.FLAG, True)
+  if not text.read("tie_word_embeddings", hf_fields.FLAG, tied):
+    raise text.error("tie_word_embeddings", "false is not supported")
+  n_layers = text.read("num_hidden_layers", hf_fields.LAYER_COUNT)
+  hf_types = text.read("layer_types", hf_fields.optional(hf_fields.STRINGS), None)
+  if hf_types is None:   # transformers 4: every sliding_window_pattern-th layer is global
+    period = text.read("sliding_window_pattern", hf_fields.POSITIVE_INT, 6)
+    hf_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention"
+                for i in range(n_layers)]
   unknown = sorted(set(hf_types) - set(_ATTENTION_TYPES))
   if unknown:
-    raise CheckpointError(f"config.json: layer_types holds {unknown}, not one of "
-                          f"{sorted(_ATTENTION_TYPES)}")
+    raise hf_fields.FieldError(f"{text.where}layer_types holds {unknown}, not one of "
+                               f"{sorted(_ATTENTION_TYPES)}")
+  if len(hf_types) != n_layers:
+    raise text.error("layer_types", f"lists {len(hf_types)} layers; num_hidden_layers is "
+                     f"{n_layers}")
   kinds = [_ATTENTION_TYPES[t] for t in hf_types]
   local = _rope(text, "sliding_attention", "rope_local_base_freq")
   global_ = _rope(text, "full_attention", "rope_theta")
+  size = functools.partial(text.read, kind=hf_fields.POSITIVE_INT)
   config = config_lib.default_config()
   config.model.update(dict(
-      name="hf", block_type=block_type, vocab_size=text["vocab_size"],
-      d_model=text["hidden_size"], num_layers=n_layers,
-      num_heads=text["num_attention_heads"], num_kv_heads=text["num_key_value_heads"],
-      head_dim=text["head_dim"], mlp_dim=text["intermediate_size"],
-      activation=_ACTIVATIONS[text["hidden_activation"]],
+      name="hf", block_type=block_type, vocab_size=size("vocab_size"),
+      d_model=size("hidden_size"), num_layers=n_layers,
+      num_heads=size("num_attention_heads"), num_kv_heads=size("num_key_value_heads"),
+      head_dim=size("head_dim"), mlp_dim=size("intermediate_size"),
+      activation=_ACTIVATIONS[text.read("hidden_activation", hf_fields.one_of(_ACTIVATIONS))],
       attention_pattern=_pattern(kinds, last_exempt=block_type == "gemma4"),
-      sliding_window=text["sliding_window"],
+      sliding_window=size("sliding_window"),
       rope_local_base=local[0], rope_local_scale=local[1], rope_local_fraction=local[2],
       rope_global_base=global_[0], rope_global_scale=global_[1],
       rope_global_fraction=global_[2],
       # transformers' Gemma 3 stores attn_logit_softcapping but never applies it;
       # we compute what it computes.
       attn_logit_softcap=None,
-      final_logit_softcap=text.get("final_logit_softcapping"),
-      norm_eps=text["rms_norm_eps"]))
+      final_logit_softcap=text.read("final_logit_softcapping",
+                                    hf_fields.optional(hf_fields.POSITIVE), None),
+      norm_eps=text.read("rms_norm_eps", hf_fields.POSITIVE)))
   if block_type == "gemma3":
-    config.model.query_pre_attn_scalar = float(text["query_pre_attn_scalar"])
+    config.model.query_pre_attn_scalar = float(text.read("query_pre_attn_scalar",
+                                                         hf_fields.POSITIVE))
   else:
     config.model.update(_gemma4_fields(text, kinds))
-  if hf.get("audio_config"):
-    raise CheckpointError("config.json: audio_config: Gemma 4's audio tower is not read yet; "
-                          "hf.load(..., skip_audio=True) reads the text and vision parts")
-  if hf.get("model_type") in _MULTIMODAL and hf.get("vision_config"):
-    try:
-      config.model.vision.update(_VISION[block_type][0].config_from_hf(hf, _ACTIVATIONS))
-    except ValueError as error:
-      raise CheckpointError(f"config.json: {error}") from None
+  if hf.read("audio_config", hf_fields.optional(hf_fields.OBJECT), None):
+    raise hf.error("audio_config", "Gemma 4's audio tower is not read yet; "
+                   "hf.load(..., skip_audio=True) reads the text and vision parts")
+  if (hf.read("model_type", hf_fields.STRING) in _MULTIMODAL
+      and hf.read("vision_config", hf_fields.optional(hf_fields.OBJECT), None)):
+    config.model.vision.update(_VISION[block_type][0].config_from_hf(hf.values, _ACTIVATIONS))
   return config
 
 
@@ -419,31 +444,52 @@ def config_to_hf(config: config_dict.ConfigDict) -> dict:
 # ----------------------------------------------------------------------------- weights
 
 
-def _read_tensors(path: str) -> Dict[str, np.ndarray]:
-  """Every tensor of the checkpoint directory `path` (one file, or the shards its
-  index names); a missing, truncated or malformed file is a CheckpointError naming it."""
+def _index_files(index: str) -> list:
+  """The files an index (model.safetensors.index.json) names, sorted; a CheckpointError
+  naming the index where it is not one, or names a file outside its directory."""
+  weight_map = read_json_object(index).get("weight_map")
+  if not (isinstance(weight_map, dict)
+          and all(isinstance(name, str) for name in weight_map.values())):
+    raise CheckpointError(f"{index}: not an index with a weight_map of tensor names to files")
+  for tensor, name in weight_map.items():
+    inside = os.path.normpath(name)
+    if os.path.isabs(inside) or inside == "." or inside.split(os.sep)[0] == "..":
+      raise CheckpointError(f"{index}: weight_map names {hf_fields.shown(name)} for "
+                            f"{hf_fields.shown(tensor)}, which is not a file inside "
+                            f"{os.path.dirname(index)}")
+  return sorted(set(weight_map.values()))
+
+
+def _read_tensors(path: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
+  """Every tensor of the checkpoint directory `path` (one file, or the shards its index
+  names), and the file each is in; a missing, truncated or malformed file is a
+  CheckpointError naming it."""
   index = os.path.join(path, "model.safetensors.index.json")
-  if os.path.exists(index):
-    try:
-      with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-      raise CheckpointError(f"{index}: not an index with a weight_map of tensor names to "
-                            f"files ({type(error).__name__}: {error})") from None
+  indexed = os.path.lexists(index)
+  if indexed:
+    names = _index_files(index)
   else:
-    files = [name for name in sorted(os.listdir(path)) if name.endswith(".safetensors")]
-  if not files:
+    names = [name for name in sorted(os.listdir(path)) if name.endswith(".safetensors")]
+  if not names:
     raise CheckpointError(f"{path}: no .safetensors files")
-  tensors = {}
-  for name in files:
+  tensors, files = {}, {}
+  for name in names:
     file = os.path.join(path, name)
-    if not os.path.isfile(file):
+    if indexed and not os.path.exists(file):
       raise CheckpointError(f"{index}: names {name}, which is not in {path}")
     try:
-      tensors.update(safetensors_io.read(file))
+      shard = safetensors_io.read(file)
+    except OSError as error:
+      raise CheckpointError(f"{file}: cannot be read ({error.strerror})") from None
     except ValueError as error:
       raise CheckpointError(str(error)) from None
-  return tensors
+    twice = sorted(shard.keys() & tensors.keys())
+    if twice:   # (one of the two would be read, the other dropped unseen)
+      raise CheckpointError(f"{file}: holds tensor {twice[0]}, which {files[twice[0]]} "
+                            "holds too")
+    tensors.update(shard)
+    files.update(dict.fromkeys(shard, file))
+  return tensors, files
 
 
 def _text_tensors(tensors: Dict[str, np.ndarray],
@@ -501,6 +547,7 @@ class _Family(NamedTuple):
   # A file's tensors -> (tensors by name below the model, names that belong nowhere).
   model_tensors: Callable[[Dict[str, np.ndarray]], Tuple[Dict[str, np.ndarray], list]]
   tensor_name: Callable[[Tuple[str, ...]], str]          # our path -> name below the model
+  layer_of: Callable[[str], Optional[int]]   # a name below the model -> its layer, or None
   # (stored tensor, our path, our shape) -> our parameter, or why it does not fit.
   from_hf: Callable[[np.ndarray, Tuple[str, ...], Tuple[int, ...]], Union[np.ndarray, str]]
   # (our parameter, our path) -> (stored name, part index, stored part).
@@ -511,6 +558,11 @@ def _gemma_tensor_name(path: Tuple[str, ...], layout: hf_tower.TowerLayout) -> s
   if path[0] == "vision":
     return layout.tensor_name(path[1:])
   return _hf_tensor(path).name
+
+
+def _gemma_layer_of(name: str) -> Optional[int]:
+  match = re.match(r"layers\.(\d+)\.", name)
+  return int(match.group(1)) if match else None
 
 
 def _gemma_from_hf(value: np.ndarray, path: Tuple[str, ...], shape: Tuple[int, ...],
@@ -530,6 +582,7 @@ def _gemma_family(block_type: str, multimodal: bool) -> _Family:
       config_from_hf=config_from_hf, config_to_hf=config_to_hf,
       model_tensors=functools.partial(_text_tensors, layout=layout),
       tensor_name=functools.partial(_gemma_tensor_name, layout=layout),
+      layer_of=_gemma_layer_of,
       from_hf=functools.partial(_gemma_from_hf, layout=layout),
       to_hf=functools.partial(_to_hf, layout=layout,
                               text_prefix=text_prefix if multimodal else "model."))
@@ -590,54 +643,88 @@ def _check_params(config: config_dict.ConfigDict, flat: dict) -> None:
     raise CheckpointError(f"params do not fit config.model: {problems}")
 
 
+# How deeply a config, index or processor file's objects and arrays may nest: theirs nest
+# a few levels; the library's limit for any JSON it reads (as gemma_jax.training.data's).
+_MAX_JSON_DEPTH = 100
+
+
+def _json_depth(value) -> int:
+  """How deeply objects and arrays nest in a parsed JSON value (level by level, so any
+  depth is measured without recursion)."""
+  depth, level = 0, [value]
+  while True:
+    containers = [v for v in level if isinstance(v, (dict, list))]
+    if not containers:
+      return depth
+    depth += 1
+    level = [item for v in containers for item in (v.values() if isinstance(v, dict) else v)]
+
+
 def read_json_object(file: str) -> dict:
-  """The JSON object in `file`; a CheckpointError naming the file if it cannot be read or
-  holds anything else."""
+  """The JSON object in `file`; a CheckpointError naming the file if it is not a regular
+  file, cannot be read, or holds anything else (objects and arrays nested deeper than
+  _MAX_JSON_DEPTH included)."""
   try:
-    with open(file) as f:
-      value = json.load(f)
+    safetensors_io.regular_file_size(file)
+    with open(file, "rb") as f:
+      text = f.read()
   except OSError as error:
     raise CheckpointError(f"{file}: cannot be read ({error.strerror})") from None
+  except ValueError as error:   # not a regular file
+    raise CheckpointError(str(error)) from None
+  too_deep = CheckpointError(f"{file}: JSON nested deeper than {_MAX_JSON_DEPTH} levels")
+  try:
+    value = json.loads(text)
+  except RecursionError:
+    raise too_deep from None
   except ValueError as error:
     raise CheckpointError(f"{file}: not JSON ({error})") from None
   if not isinstance(value, dict):
     raise CheckpointError(f"{file}: not a JSON object")
+  if _json_depth(value) > _MAX_JSON_DEPTH:
+    raise too_deep
   return value
 
 
 def load_config(path: str, *, skip_audio: bool = False) -> config_dict.ConfigDict:
   """The config of the transformers directory `path` (from its config.json, and for a
   Gemma 4 image model the resize budget of its preprocessor_config.json, if there),
-  without reading any weights. A config with Gemma 4's audio tower is refused unless
-  `skip_audio`."""
-  hf_config = read_json_object(os.path.join(path, "config.json"))
+  validated, without reading any weights. A config with Gemma 4's audio tower is refused
+  unless `skip_audio`."""
+  file = os.path.join(path, "config.json")
+  hf_config = read_json_object(file)
   if hf_config.get("model_type") == "gpt2":
     from gemma_jax import hf_gpt2  # pylint: disable=import-outside-toplevel  (it imports this module)
-    return hf_gpt2.config_from_hf(hf_config)
-  if skip_audio:
-    hf_config = dict(hf_config, audio_config=None)
-  config = config_from_hf(hf_config)
-  processor = _image_processor(path)
-  if config.model.vision.enabled and config.model.block_type == "gemma4" and processor:
-    try:
-      config.model.vision.update(hf_gemma4_vision.processor_from_hf(
-          processor, config.model.vision.to_dict()))
-    except ValueError as error:
-      raise CheckpointError(f"{path}/{error}") from None
-  return config
+    config = hf_gpt2.config_from_hf(hf_config, file)
+  else:
+    config = config_from_hf(dict(hf_config, audio_config=None) if skip_audio else hf_config,
+                            file)
+    processor = _image_processor(path)
+    if config.model.vision.enabled and config.model.block_type == "gemma4" and processor:
+      processor_file, settings = processor
+      try:
+        config.model.vision.update(hf_gemma4_vision.processor_from_hf(
+            settings, config.model.vision.to_dict()))
+      except hf_fields.FieldError as error:
+        raise CheckpointError(f"{processor_file}: {error}") from None
+  try:
+    return config_lib.validate(config)
+  except config_lib.ConfigError as error:
+    raise CheckpointError(f"{file}: describes a model gemma_jax does not build: "
+                          f"{error}") from None
 
 
-def _image_processor(path: str) -> Optional[dict]:
-  """The image processor's settings in transformers directory `path`, read where
-  transformers reads them first: nested in processor_config.json (as transformers 5
-  saves a processor), else preprocessor_config.json; None when neither has them."""
+def _image_processor(path: str) -> Optional[Tuple[str, hf_fields.Section]]:
+  """(the file, the image processor's settings) in transformers directory `path`, read
+  where transformers reads them first: nested in processor_config.json (as transformers
+  5 saves a processor), else preprocessor_config.json; None when neither has them."""
   nested = os.path.join(path, "processor_config.json")
-  if os.path.isfile(nested):
+  if os.path.exists(nested):
     settings = read_json_object(nested).get("image_processor")
     if isinstance(settings, dict):
-      return settings
+      return nested, hf_fields.Section(settings, "image_processor.")
   flat = os.path.join(path, "preprocessor_config.json")
-  return read_json_object(flat) if os.path.isfile(flat) else None
+  return (flat, hf_fields.Section(read_json_object(flat))) if os.path.exists(flat) else None
 
 
 def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
@@ -662,7 +749,13 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
   config_lib.validate(config)
 
   family = _family(config.model.block_type)
-  tensors, unexpected = family.model_tensors(_read_tensors(path))
+  stored, files = _read_tensors(path)
+  tensors, unexpected = family.model_tensors(stored)
+  sources, _ = family.model_tensors(files)   # (it renames: each one's file, by that name)
+  layers = len({family.layer_of(name) for name in tensors} - {None})
+  if layers < config.model.num_layers:   # (found before the model is traced for them all)
+    raise CheckpointError(f"{os.path.join(path, 'config.json')}: describes "
+                          f"{config.model.num_layers} layers; the tensors hold {layers}")
   expected = flax.traverse_util.flatten_dict(_unrolled_shapes(config))
   scanned = {f"layers_{s.start + i}" for s in scan_segments(config.model)
              for i in range(s.count * len(config.model.attention_pattern))}
@@ -673,6 +766,10 @@ def load(path: str, *, param_dtype: str = "float32", scan_layers: bool = True,
       missing += [] if name in missing else [name]
       continue
     used.add(name)
+    if tensors[name].dtype not in safetensors_io.FLOATS:
+      raise CheckpointError(f"{sources[name]}: tensor {name} holds "
+                            f"{safetensors_io.NAMES[tensors[name].dtype]} values; the "
+                            "model's weights are floats")
     value = family.from_hf(tensors[name], key, shape.shape)
     if isinstance(value, str):   # (said once for a tensor that holds two of ours)
       problem = f"{name}: {value}"

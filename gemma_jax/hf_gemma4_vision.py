@@ -15,6 +15,7 @@ from typing import Mapping
 
 from ml_collections import config_dict
 
+from gemma_jax.hf_fields import COUNT, FLAG, POSITIVE, POSITIVE_INT, Section, one_of
 from gemma_jax.hf_tower import Tensor, TowerLayout
 
 _TOWER, _EMBED = "vision_tower.", "embed_vision."
@@ -54,15 +55,19 @@ LAYOUT = TowerLayout(
               ("model.embed_vision.", _EMBED), (_EMBED, _EMBED)),
     saved_name=lambda name: "model." + name)
 
-# Our field -> (transformers' Gemma4VisionConfig key, its default there).
-_CONFIG_KEYS = {"width": ("hidden_size", 768), "mlp_dim": ("intermediate_size", 3072),
-                "num_layers": ("num_hidden_layers", 16),
-                "num_heads": ("num_attention_heads", 12),
-                "num_kv_heads": ("num_key_value_heads", 12), "head_dim": ("head_dim", 64),
-                "patch_size": ("patch_size", 16), "pooling_kernel": ("pooling_kernel_size", 3),
-                "position_embedding_size": ("position_embedding_size", 10_240),
-                "layer_norm_eps": ("rms_norm_eps", 1e-6), "standardize": ("standardize", False),
-                "use_clipped_linears": ("use_clipped_linears", False)}
+# Our field -> (transformers' Gemma4VisionConfig key, its default there, its kind).
+_CONFIG_KEYS = {"width": ("hidden_size", 768, POSITIVE_INT),
+                "mlp_dim": ("intermediate_size", 3072, POSITIVE_INT),
+                "num_layers": ("num_hidden_layers", 16, POSITIVE_INT),
+                "num_heads": ("num_attention_heads", 12, POSITIVE_INT),
+                "num_kv_heads": ("num_key_value_heads", 12, POSITIVE_INT),
+                "head_dim": ("head_dim", 64, POSITIVE_INT),
+                "patch_size": ("patch_size", 16, POSITIVE_INT),
+                "pooling_kernel": ("pooling_kernel_size", 3, POSITIVE_INT),
+                "position_embedding_size": ("position_embedding_size", 10_240, POSITIVE_INT),
+                "layer_norm_eps": ("rms_norm_eps", 1e-6, POSITIVE),
+                "standardize": ("standardize", False, FLAG),
+                "use_clipped_linears": ("use_clipped_linears", False, FLAG)}
 # Our token id field -> (transformers' Gemma4Config key, its default there).
 _ID_KEYS = {"boi_token_id": ("boi_token_id", 255_999),
             "eoi_token_id": ("eoi_token_id", 258_882),
@@ -77,37 +82,40 @@ FIELDS = ("enabled", "activation", "rope_base", "pad_token_id") + tuple(_CONFIG_
 
 def config_from_hf(hf: dict, activations: Mapping[str, str]) -> dict:
   """A transformers Gemma4Config dict -> our vision fields (`activations`: transformers'
-  activation name -> ours). Raises ValueError naming a setting we do not build."""
-  v = hf["vision_config"]
-  act = v.get("hidden_activation", "gelu_pytorch_tanh")
-  if act not in activations:
-    raise ValueError(f"vision_config: unknown hidden_activation {act!r}")
-  rope = v.get("rope_parameters") or {}
-  if rope.get("rope_type", "axial") != "axial":
-    raise ValueError(f"vision_config: rope_type {rope['rope_type']!r}, not 'axial'")
-  fields = {ours: v.get(key, default) for ours, (key, default) in _CONFIG_KEYS.items()}
-  fields.update({ours: hf.get(key, default) for ours, (key, default) in _ID_KEYS.items()})
-  text = hf.get("text_config") or {}
-  return dict(fields, enabled=True, activation=activations[act],
-              rope_base=float(rope.get("rope_theta", 100.0)),
-              pad_token_id=text.get("pad_token_id", 0))
+  activation name -> ours). Raises hf_fields.FieldError (a ValueError) naming a field
+  missing, of the wrong kind, or a setting we do not build."""
+  root = Section(hf)
+  v = root.section("vision_config")
+  rope = v.section("rope_parameters")
+  rope.read("rope_type", one_of(["axial"]), "axial")   # (the only rotation it builds)
+  fields = {ours: v.read(key, kind, default)
+            for ours, (key, default, kind) in _CONFIG_KEYS.items()}
+  fields.update({ours: root.read(key, COUNT, default)
+                 for ours, (key, default) in _ID_KEYS.items()})
+  activation = v.read("hidden_activation", one_of(activations), "gelu_pytorch_tanh")
+  return dict(fields, enabled=True, activation=activations[activation],
+              rope_base=float(rope.read("rope_theta", POSITIVE, 100.0)),
+              pad_token_id=root.section("text_config").read("pad_token_id", COUNT, 0))
 
 
-def processor_from_hf(processor: dict, fields: dict) -> dict:
-  """A preprocessor_config.json dict (Gemma4ImageProcessor's) -> our resize budget
-  {"max_soft_tokens": ...} ({} when it sets none), for the vision `fields` of
-  `config_from_hf`. Raises ValueError where its patches differ from the tower's."""
+def processor_from_hf(processor: Section, fields: dict) -> dict:
+  """Gemma4ImageProcessor's settings (of preprocessor_config.json, or processor_config.json's
+  image_processor) -> our resize budget {"max_soft_tokens": ...} ({} when they set none),
+  for the vision `fields` of `config_from_hf`. Raises hf_fields.FieldError naming a
+  setting of the wrong kind, or patches that differ from the tower's."""
   for ours, key in (("patch_size", "patch_size"), ("pooling_kernel", "pooling_kernel_size")):
-    if key in processor and processor[key] != fields[ours]:
-      raise ValueError(f"preprocessor_config.json: {key}={processor[key]}, but the vision "
-                       f"tower's is {fields[ours]}")
-  return {"max_soft_tokens": processor["max_soft_tokens"]} if "max_soft_tokens" in processor else {}
+    if processor.read(key, POSITIVE_INT, fields[ours]) != fields[ours]:
+      raise processor.error(key, f"{processor.read(key, POSITIVE_INT)}, but the vision "
+                            f"tower's is {fields[ours]}")
+  if "max_soft_tokens" not in processor:
+    return {}
+  return {"max_soft_tokens": processor.read("max_soft_tokens", POSITIVE_INT)}
 
 
 def config_to_hf(config: config_dict.ConfigDict, activations: Mapping[str, str]) -> dict:
   """Our vision section -> the keys of a transformers Gemma4Config beside text_config
   (`activations`: ours -> transformers' name)."""
-  vision_config = {key: config[ours] for ours, (key, _) in _CONFIG_KEYS.items()}
+  vision_config = {key: config[ours] for ours, (key, *_) in _CONFIG_KEYS.items()}
   vision_config.update(model_type="gemma4_vision",
                        hidden_activation=activations[config.activation],
                        rope_parameters={"rope_type": "axial", "rope_theta": config.rope_base})

@@ -13,13 +13,15 @@ a LayerNorm weight w is 1 + our zero-based scale. Names below `transformer.`:
 `block_type` "gpt3".
 """
 
+import json
 import math
 import re
-from typing import Dict, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import numpy as np
 from ml_collections import config_dict
 
+from gemma_jax import hf_fields
 from gemma_jax import presets
 from gemma_jax.decoder import layer_types
 from gemma_jax.hf import CheckpointError
@@ -62,25 +64,33 @@ _PREFIX = "transformer."
 _SKIPPED = re.compile(r"lm_head\.weight|h\.\d+\.attn\.(masked_)?bias")
 
 
-def config_from_hf(hf: dict) -> config_dict.ConfigDict:
-  """A GPT-2 config.json (as a dict) -> our full config (the gpt3 presets' options)."""
-  for field, ok in _UNSUPPORTED:
-    if hf.get(field, ok) != ok:
-      raise CheckpointError(f"config.json: {field}={hf[field]} is not supported")
-  activation = hf.get("activation_function", "gelu_new")
-  if activation not in _ACTIVATIONS:
-    raise CheckpointError(f"config.json: unknown activation_function {activation!r}")
-  d, n = hf["n_embd"], hf["n_head"]
-  if d % n:
-    raise CheckpointError(f"config.json: n_head={n} does not divide n_embd={d}")
-  config = presets.get_config("gpt3-52k")
-  config.model.update(dict(
-      name="hf", vocab_size=hf["vocab_size"], d_model=d, num_layers=hf["n_layer"],
-      num_heads=n, num_kv_heads=n, head_dim=d // n, mlp_dim=hf.get("n_inner") or 4 * d,
-      activation=_ACTIVATIONS[activation], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-      trainable_position_size=hf["n_positions"]))
+def config_from_hf(hf: dict, file: str = "config.json") -> config_dict.ConfigDict:
+  """A GPT-2 config.json (as a dict) -> our full config (the gpt3 presets' options).
+  Raises CheckpointError naming `file` and the first field that is missing, of the wrong
+  kind or not supported."""
+  fields = hf_fields.Section(hf)
+  try:
+    for field, ok in _UNSUPPORTED:
+      if fields.read(field, hf_fields.FLAG, ok) != ok:
+        raise fields.error(field, f"only {json.dumps(ok)} is supported")
+    activation = fields.read("activation_function", hf_fields.one_of(_ACTIVATIONS), "gelu_new")
+    d, n = (fields.read(key, hf_fields.POSITIVE_INT) for key in ("n_embd", "n_head"))
+    if d % n:
+      raise fields.error("n_head", f"{n} does not divide n_embd={d}")
+    positions = fields.read("n_positions", hf_fields.POSITIVE_INT)
+    config = presets.get_config("gpt3-52k")
+    config.model.update(dict(
+        name="hf", vocab_size=fields.read("vocab_size", hf_fields.POSITIVE_INT), d_model=d,
+        num_layers=fields.read("n_layer", hf_fields.LAYER_COUNT), num_heads=n,
+        num_kv_heads=n, head_dim=d // n,
+        mlp_dim=fields.read("n_inner", hf_fields.optional(hf_fields.POSITIVE_INT), None) or 4 * d,
+        activation=_ACTIVATIONS[activation],
+        norm_eps=fields.read("layer_norm_epsilon", hf_fields.POSITIVE, 1e-5),
+        trainable_position_size=positions))
+  except hf_fields.FieldError as error:
+    raise CheckpointError(f"{file}: {error}") from None
   # Training rows must fit the position table.
-  config.data.seq_len = min(config.data.seq_len, hf["n_positions"])
+  config.data.seq_len = min(config.data.seq_len, positions)
   return config
 
 
@@ -129,6 +139,12 @@ def tensor_name(path: Tuple[str, ...]) -> str:
   if match:
     return f"h.{match.group(1)}.{_LAYER_NAMES[path[1:]]}"
   return _TOP_NAMES[path]
+
+
+def layer_of(name: str) -> Optional[int]:
+  """A tensor name below `transformer.` -> the layer it is in (None outside the layers)."""
+  match = re.match(r"h\.(\d+)\.", name)
+  return int(match.group(1)) if match else None
 
 
 def _stored_shape(path: Tuple[str, ...], shape: Tuple[int, ...]) -> Tuple[int, ...]:

@@ -14,6 +14,7 @@ from typing import Mapping
 
 from ml_collections import config_dict
 
+from gemma_jax.hf_fields import COUNT, POSITIVE, POSITIVE_INT, Section, one_of
 from gemma_jax.hf_tower import Tensor as _Tensor, TowerLayout
 
 _TOWER, _PROJECTOR = "vision_tower.", "multi_modal_projector."
@@ -55,11 +56,15 @@ _PREFIXES = (("model.vision_tower.vision_model.", _TOWER), ("model.vision_tower.
              ("model.multi_modal_projector.", _PROJECTOR), (_PROJECTOR, _PROJECTOR))
 
 
-# Our vision field -> (transformers' SiglipVisionConfig key, its default there).
-_CONFIG_KEYS = {"width": ("hidden_size", 768), "mlp_dim": ("intermediate_size", 3072),
-                "num_layers": ("num_hidden_layers", 12), "num_heads": ("num_attention_heads", 12),
-                "num_channels": ("num_channels", 3), "image_size": ("image_size", 224),
-                "patch_size": ("patch_size", 16), "layer_norm_eps": ("layer_norm_eps", 1e-6)}
+# Our vision field -> (transformers' SiglipVisionConfig key, its default there, its kind).
+_CONFIG_KEYS = {"width": ("hidden_size", 768, POSITIVE_INT),
+                "mlp_dim": ("intermediate_size", 3072, POSITIVE_INT),
+                "num_layers": ("num_hidden_layers", 12, POSITIVE_INT),
+                "num_heads": ("num_attention_heads", 12, POSITIVE_INT),
+                "num_channels": ("num_channels", 3, POSITIVE_INT),
+                "image_size": ("image_size", 224, POSITIVE_INT),
+                "patch_size": ("patch_size", 16, POSITIVE_INT),
+                "layer_norm_eps": ("layer_norm_eps", 1e-6, POSITIVE)}
 # Our token id field -> (transformers' Gemma3Config key, its default there).
 _ID_KEYS = {"boi_token_id": ("boi_token_index", 255_999),
             "eoi_token_id": ("eoi_token_index", 256_000),
@@ -72,21 +77,23 @@ FIELDS = ("enabled", "activation", "tokens_per_image") + tuple(_CONFIG_KEYS) + t
 
 def config_from_hf(hf: dict, activations: Mapping[str, str]) -> dict:
   """A transformers Gemma3Config dict -> our vision fields (`activations`: transformers'
-  activation name -> ours). Raises ValueError naming a setting we do not build."""
-  v = hf["vision_config"]   # (its vision_use_head: Gemma 3 never runs that head)
-  if v.get("hidden_act", "gelu_pytorch_tanh") not in activations:
-    raise ValueError(f"vision_config: unknown hidden_act {v['hidden_act']!r}")
-  fields = {ours: v.get(key, default) for ours, (key, default) in _CONFIG_KEYS.items()}
-  fields.update({ours: hf.get(key, default) for ours, (key, default) in _ID_KEYS.items()})
-  return dict(fields, enabled=True, activation=activations[v.get("hidden_act",
-                                                                   "gelu_pytorch_tanh")],
-              tokens_per_image=hf.get("mm_tokens_per_image", 256))
+  activation name -> ours). Raises hf_fields.FieldError (a ValueError) naming a field
+  missing or of the wrong kind."""
+  root = Section(hf)
+  v = root.section("vision_config")   # (its vision_use_head: Gemma 3 never runs that head)
+  fields = {ours: v.read(key, kind, default)
+            for ours, (key, default, kind) in _CONFIG_KEYS.items()}
+  fields.update({ours: root.read(key, COUNT, default)
+                 for ours, (key, default) in _ID_KEYS.items()})
+  activation = v.read("hidden_act", one_of(activations), "gelu_pytorch_tanh")
+  return dict(fields, enabled=True, activation=activations[activation],
+              tokens_per_image=root.read("mm_tokens_per_image", POSITIVE_INT, 256))
 
 
 def config_to_hf(config: config_dict.ConfigDict, activations: Mapping[str, str]) -> dict:
   """Our vision section -> the keys of a transformers Gemma3Config beside text_config
   (`activations`: ours -> transformers' name)."""
-  vision_config = {key: config[ours] for ours, (key, _) in _CONFIG_KEYS.items()}
+  vision_config = {key: config[ours] for ours, (key, *_) in _CONFIG_KEYS.items()}
   vision_config.update(model_type="siglip_vision_model", vision_use_head=False,
                        hidden_act=activations[config.activation])
   return dict({key: config[ours] for ours, (key, _) in _ID_KEYS.items()},
