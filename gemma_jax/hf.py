@@ -36,6 +36,7 @@ from gemma_jax import quant
 from gemma_jax import safetensors_io
 from gemma_jax import sharded_read
 from gemma_jax.checkpoints import CheckpointError
+from gemma_jax.checkpoints import bounded_json
 from gemma_jax.checkpoints import directory
 from gemma_jax.decoder import layer_types, scan_segments, stack_layers, unstack_layers
 from gemma_jax.transformer import transform
@@ -628,8 +629,6 @@ def _check_params(config: config_dict.ConfigDict, flat: dict) -> None:
   """A CheckpointError naming each of the (unrolled) parameters `flat` that the config's
   model lacks, has no place for, or holds in another shape."""
   expected = flax.traverse_util.flatten_dict(_unrolled_shapes(config))
-  scanned = {f"layers_{s.start + i}" for s in scan_segments(config.model)
-             for i in range(s.count * len(config.model.attention_pattern))}
   missing = ["/".join(key) for key in expected if key not in flat]
   unexpected = sorted("/".join(key) for key in flat if key not in expected)
   mismatched = [f"{'/'.join(key)}: {np.shape(flat[key])} != expected {shape.shape}"
@@ -643,27 +642,10 @@ def _check_params(config: config_dict.ConfigDict, flat: dict) -> None:
     raise CheckpointError(f"params do not fit config.model: {problems}")
 
 
-# How deeply a config, index or processor file's objects and arrays may nest: theirs nest
-# a few levels; the library's limit for any JSON it reads (as gemma_jax.training.data's).
-_MAX_JSON_DEPTH = 100
-
-
-def _json_depth(value) -> int:
-  """How deeply objects and arrays nest in a parsed JSON value (level by level, so any
-  depth is measured without recursion)."""
-  depth, level = 0, [value]
-  while True:
-    containers = [v for v in level if isinstance(v, (dict, list))]
-    if not containers:
-      return depth
-    depth += 1
-    level = [item for v in containers for item in (v.values() if isinstance(v, dict) else v)]
-
-
 def read_json_object(file: str) -> dict:
   """The JSON object in `file`; a CheckpointError naming the file if it is not a regular
   file, cannot be read, or holds anything else (objects and arrays nested deeper than
-  _MAX_JSON_DEPTH included)."""
+  `bounded_json.MAX_DEPTH` included)."""
   try:
     safetensors_io.regular_file_size(file)
     with open(file, "rb") as f:
@@ -672,17 +654,14 @@ def read_json_object(file: str) -> dict:
     raise CheckpointError(f"{file}: cannot be read ({error.strerror})") from None
   except ValueError as error:   # not a regular file
     raise CheckpointError(str(error)) from None
-  too_deep = CheckpointError(f"{file}: JSON nested deeper than {_MAX_JSON_DEPTH} levels")
   try:
-    value = json.loads(text)
-  except RecursionError:
-    raise too_deep from None
+    value = bounded_json.loads(text)
+  except bounded_json.NestedTooDeeply as error:
+    raise CheckpointError(f"{file}: {error}") from None
   except ValueError as error:
     raise CheckpointError(f"{file}: not JSON ({error})") from None
   if not isinstance(value, dict):
     raise CheckpointError(f"{file}: not a JSON object")
-  if _json_depth(value) > _MAX_JSON_DEPTH:
-    raise too_deep
   return value
 
 

@@ -18,6 +18,8 @@ from typing import Dict, Iterator, Mapping, Tuple
 import jax.numpy as jnp
 import numpy as np
 
+from gemma_jax.checkpoints import bounded_json
+
 DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(jnp.bfloat16), "I64": np.dtype(np.int64),
@@ -104,9 +106,9 @@ def read(path: str) -> Dict[str, np.ndarray]:
                        f"{header_len} exceeds its {size} bytes")
     raw = f.read(header_len)
   try:
-    header = json.loads(raw) if raw.startswith(b"{") else None
-  except RecursionError:
-    raise ValueError(f"{path}: not a safetensors file: its header nests too deeply") from None
+    header = bounded_json.loads(raw) if raw.startswith(b"{") else None
+  except bounded_json.NestedTooDeeply as error:
+    raise ValueError(f"{path}: not a safetensors file: in its header {error}") from None
   except ValueError:   # invalid JSON or UTF-8
     header = None
   if not isinstance(header, dict):

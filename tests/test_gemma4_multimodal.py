@@ -122,7 +122,7 @@ def test_the_budget_nested_in_processor_config_is_read_and_written_as_transforme
   assert config.model.vision.max_soft_tokens == theirs == 140
   _, params = loaded(True)
   config.model.vision.max_soft_tokens = 280
-  gj.hf.save(directory, config, params)
+  gj.hf.save(directory, config, params, overwrite=True)   # transformers' directory, not ours
   assert transformers.AutoImageProcessor.from_pretrained(directory).max_soft_tokens == 280
   assert json.loads((tmp_path / "nested" / "processor_config.json").read_text())[
       "processor_class"] == "Gemma4Processor"

@@ -212,7 +212,7 @@ def test_config_nested_too_deeply_is_named(checkpoint, depth):
     text = f.read().rstrip()[:-1] + ', "deep": ' + "[" * depth + "]" * depth + "}"
   with open(file, "w") as f:
     f.write(text)
-  assert load_error(checkpoint) == f"{file}: JSON nested deeper than 100 levels"
+  assert load_error(checkpoint) == f"{file}: arrays and objects nest deeper than 100 levels"
 
 
 # ----------------------------------------------------------------------------- safetensors
@@ -223,8 +223,8 @@ def test_safetensors_header_nested_too_deeply_is_named(checkpoint):
   header = b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
   with open(file, "wb") as f:
     f.write(struct.pack("<Q", len(header)) + header)
-  assert load_error(checkpoint) == (f"{file}: not a safetensors file: its header nests too "
-                                    "deeply")
+  assert load_error(checkpoint) == (f"{file}: not a safetensors file: in its header arrays "
+                                    "and objects nest deeper than 100 levels")
 
 
 def test_header_longer_than_the_format_allows_is_refused(checkpoint):
@@ -244,7 +244,7 @@ def test_index_nested_too_deeply_is_named(checkpoint):
   index = os.path.join(checkpoint, INDEX)
   with open(index, "w") as f:
     f.write('{"weight_map": ' + "[" * 100_000 + "]" * 100_000 + "}")
-  assert load_error(checkpoint) == f"{index}: JSON nested deeper than 100 levels"
+  assert load_error(checkpoint) == f"{index}: arrays and objects nest deeper than 100 levels"
 
 
 def test_tensors_sharing_bytes_are_refused_by_name(checkpoint):

@@ -398,7 +398,7 @@ def test_a_jsonl_line_nested_too_deeply_is_a_data_error_naming_its_line(tmp_path
     with pytest.raises(data.DataError) as error:
       data.read_documents(str(path))
     assert error.value.field == "data.path"
-    assert str(error.value) == (f"config.data.path: {path}:2 nests arrays and objects "
+    assert str(error.value) == (f"config.data.path: {path}:2: arrays and objects nest "
                                 "deeper than 100 levels")
   # 100 levels read, and brackets inside strings are text.
   lines = ['{"text": "[[[' + "[" * 500 + '", "extra": ' + nested(99) + "}",

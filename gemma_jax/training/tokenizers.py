@@ -24,8 +24,8 @@ import sentencepiece
 import tokenizers as hf_tokenizers
 
 from gemma_jax import chat
+from gemma_jax.checkpoints import bounded_json
 from gemma_jax.config import ConfigError
-from gemma_jax.training import data
 
 # Names of the special tokens, by the marker style they belong to.
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
@@ -323,11 +323,8 @@ def _token_names(directory: str) -> dict:
   path = os.path.join(directory, CONFIG_FILE)
   if os.path.isfile(path):
     try:
-      with open(path, encoding="utf-8") as f:
-        text = f.read()
-      if data.json_too_deep(text):
-        raise ValueError(f"arrays and objects nest deeper than {data.MAX_JSON_DEPTH} levels")
-      config = json.loads(text)
+      with open(path, "rb") as f:
+        config = bounded_json.loads(f.read())
     except (OSError, ValueError) as error:
       raise ConfigError("data.tokenizer", f"{path!r} is not JSON ({error})") from None
     for key in names:
