@@ -30,7 +30,6 @@ import dataclasses
 import glob
 import json
 import os
-import re
 import sysconfig
 from typing import Iterator, List, Optional
 
@@ -40,6 +39,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import chat
+from gemma_jax.checkpoints import bounded_json
 from gemma_jax.config import ConfigError
 
 
@@ -71,28 +71,6 @@ def _read_text(filename: str) -> str:
     return f.read()
 
 
-# Arrays and objects nest at most this deep in a JSON line or file read here: json.loads
-# recurses once a level, so deeper input would exhaust the interpreter's stack.
-MAX_JSON_DEPTH = 100
-_JSON_NESTING = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')   # a string, or a bracket
-
-
-def json_too_deep(text: str) -> bool:
-  """Whether arrays and objects in JSON `text` nest deeper than MAX_JSON_DEPTH
-  (brackets inside strings do not count)."""
-  if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:
-    return False
-  depth = 0
-  for token in _JSON_NESTING.findall(text):
-    if token in ("[", "{"):
-      depth += 1
-      if depth > MAX_JSON_DEPTH:
-        return True
-    elif token in ("]", "}"):
-      depth -= 1
-  return False
-
-
 def _read_jsonl(filename: str, text_field: str, data_format: str) -> list:
   examples = []
   with open(filename, "rb") as f:
@@ -104,11 +82,8 @@ def _read_jsonl(filename: str, text_field: str, data_format: str) -> list:
         raise DataError("data.path", f"{where} is not UTF-8 ({error})") from None
       if not line.strip():
         continue
-      if json_too_deep(line):
-        raise DataError("data.path", f"{where} nests arrays and objects deeper than "
-                        f"{MAX_JSON_DEPTH} levels")
       try:
-        record = json.loads(line)
+        record = bounded_json.loads(line)
         # JSON's \uXXXX escapes can spell half of a UTF-16 pair, which no text holds.
         json.dumps(record, ensure_ascii=False).encode("utf-8")
       except json.JSONDecodeError as error:
@@ -120,6 +95,10 @@ def _read_jsonl(filename: str, text_field: str, data_format: str) -> list:
       except UnicodeEncodeError as error:
         raise DataError("data.path", f"{where} holds a lone UTF-16 surrogate "
                         f"{error.object[error.start]!r}, which is not text") from None
+      except bounded_json.NestedTooDeeply as error:
+        raise DataError("data.path", f"{where}: {error}") from None
+      except ValueError as error:   # a number too long for an int
+        raise DataError("data.path", f"{where} is not JSON that can be read ({error})") from None
       if data_format != "text" and isinstance(record, dict) and "messages" in record:
         try:
           chat.check_messages(record["messages"])
