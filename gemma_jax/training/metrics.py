@@ -4,8 +4,9 @@ unigram entropy that the eval loss is measured against."""
 import collections
 import json
 import os
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
+from absl import logging
 import matplotlib
 import numpy as np
 import tensorboardX
@@ -26,45 +27,93 @@ class MetricsWriter:
   A run that starts at `step` (its restored checkpoint's; 0 for a new run) logs every
   later step again, so the records an interrupted run wrote past it are dropped from
   metrics.jsonl (rewritten atomically) and purged from TensorBoard's view: each step
-  appears once, as the run that kept it logged it."""
+  appears once, as the run that kept it logged it.
+
+  A record is one write of a whole line: one that the OS cuts short (a full disk, a
+  file size limit) is cut off the file again and raised as that OSError, so the file
+  holds whole records only; the torn last line a killed run may leave is dropped with a
+  warning."""
 
   def __init__(self, workdir: str, step: int = 0):
-    path = os.path.join(workdir, METRICS_FILE)
-    self.dropped = _drop_records_after(path, step)
-    self._jsonl = open(path, "a", encoding="utf-8")
+    self._path = os.path.join(workdir, METRICS_FILE)
+    self.dropped = _drop_records_after(self._path, step)
+    self._jsonl = os.open(self._path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     self._events = tensorboardX.SummaryWriter(os.path.join(workdir, "tensorboard"),
                                               purge_step=step + 1 if step else None)
 
   def write(self, step: int, scalars: Dict[str, float]) -> None:
     record = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
-    self._jsonl.write(json.dumps(record) + "\n")
-    self._jsonl.flush()
+    line = (json.dumps(record) + "\n").encode()
+    end = os.lseek(self._jsonl, 0, os.SEEK_END)
+    try:
+      while line:   # a second write only after a short one: it raises what cut that
+        line = line[os.write(self._jsonl, line):]
+    except OSError as error:
+      os.ftruncate(self._jsonl, end)
+      raise OSError(error.errno, error.strerror, self._path) from None
     for name, value in scalars.items():
       self._events.add_scalar(name, float(value), int(step))
     self._events.flush()
 
   def close(self) -> None:
-    self._jsonl.close()
+    os.close(self._jsonl)
     self._events.close()
 
 
 def read_records(workdir: str) -> List[dict]:
-  """The records of workdir/metrics.jsonl, in the order written."""
-  with open(os.path.join(workdir, METRICS_FILE), encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+  """The records of workdir/metrics.jsonl, in the order written (a torn last line, one
+  being written, left out)."""
+  return [record for _, record in _parse(os.path.join(workdir, METRICS_FILE))[0]]
+
+
+def _parse(path: str) -> Tuple[List[Tuple[str, dict]], str]:
+  """([(line, record), ...], torn) of the metrics file `path`: its whole records, and
+  the text after its last one that is not a record (a write cut short; usually "").
+
+  Raises:
+    WorkdirError: a line before the last is not a record (the file was edited or
+      damaged otherwise than by a torn write).
+  """
+  with open(path, "rb") as f:
+    lines = f.read().split(b"\n")
+  parsed = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+      if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+        raise ValueError("not an object with an int step")
+    except ValueError as error:
+      if number == len(lines):   # after the last newline: a write cut short
+        return parsed, line.decode("utf-8", "replace")
+      raise workdir_lib.WorkdirError(
+          f"{path}, line {number}: not a metrics record ({error}): remove or mend the "
+          "line") from None
+    parsed.append((line.decode() + "\n", record))
+  return parsed, ""
 
 
 def _drop_records_after(path: str, step: int) -> int:
   """Rewrites the metrics file `path` without its records of steps after `step` (all of
-  them when `step` is 0); -> how many it dropped."""
+  them when `step` is 0) and without a torn last line (with a warning); -> how many
+  records it dropped."""
   if not os.path.exists(path):
     return 0
-  with open(path, encoding="utf-8") as f:
-    lines = [line for line in f if line.strip()]
-  kept = [line for line in lines if step and json.loads(line)["step"] <= step]
-  if len(kept) < len(lines):
-    workdir_lib.write_atomically(path, "".join(kept))
-  return len(lines) - len(kept)
+  if not step:   # a new run: every line goes, whatever it holds
+    with open(path, "rb") as f:
+      dropped = sum(1 for line in f if line.strip())
+    if dropped:
+      workdir_lib.write_atomically(path, "")
+    return dropped
+  records, torn = _parse(path)
+  if torn:
+    logging.warning("%s ends in a torn record, a write cut short when its run stopped: "
+                    "dropped %r", path, torn[:80])
+  kept = "".join(line for line, record in records if record["step"] <= step)
+  if len(kept) != os.path.getsize(path):   # also a last record short of its newline
+    workdir_lib.write_atomically(path, kept)
+  return sum(record["step"] > step for _, record in records)
 
 
 def unigram_entropy(batches: Iterable[dict]) -> float:
@@ -99,5 +148,12 @@ def plot_losses(records: List[dict], path: str, reference: Optional[float] = Non
   axes.legend()
   axes.grid(alpha=0.3)
   figure.tight_layout()
-  figure.savefig(path, dpi=100)
-  pyplot.close(figure)
+  # Through a staging file: an interrupted run leaves the old plot or the new, whole.
+  staging = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
+  try:
+    figure.savefig(staging, format=os.path.splitext(path)[1][1:] or "png", dpi=100)
+    os.replace(staging, path)
+  finally:
+    pyplot.close(figure)
+    if os.path.exists(staging):
+      os.remove(staging)

@@ -1,0 +1,100 @@
+"""Nothing lost, nothing injected: a run's files survive what stops it part way.
+
+A torn last line of metrics.jsonl, a checkpoint with flipped bytes, a deleted file or a
+bad data position, a disk that fills during a save, Ctrl-C at any stage: each is one
+clear error or a clean stop, and the workdir stays usable. The damage is done to real
+files (orbax's own), the limits and signals to real processes.
+"""
+
+import errno
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import gemma_jax as gj
+from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import checkpoints, loop, metrics, optimizer, steps
+from test_training import REPO, run_app, tiny_config, write_config_file
+
+
+def short_config(corpus, steps_=2):
+  """tiny_config saving every step, with no warm-up and no sample."""
+  config = tiny_config(corpus)
+  config.train.steps, config.optimizer.warmup_steps = steps_, 0
+  config.checkpoint.save_every, config.sample.max_new_tokens = 1, 0
+  return config
+
+
+@pytest.fixture(scope="module")
+def saved_run(corpus, tmp_path_factory):
+  """A workdir whose run saved steps 1 and 2, and its config."""
+  workdir = tmp_path_factory.mktemp("saved") / "run"
+  loop.train(short_config(corpus), str(workdir))
+  return workdir
+
+
+@pytest.fixture
+def run_copy(saved_run, tmp_path):
+  """A copy of `saved_run` to damage."""
+  workdir = tmp_path / "run"
+  shutil.copytree(saved_run, workdir)
+  return workdir
+
+
+# 3. metrics.jsonl: records whole, a torn last line dropped.
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(corpus, run_copy, caplog):
+  """A run killed mid-write left half a record: the resume used to end in a bare
+  JSONDecodeError; now it drops that half, says so naming the file, and logs step 3."""
+  path = run_copy / metrics.METRICS_FILE
+  whole = path.read_text()
+  path.write_text(whole + '{"step": 3, "loss": 5.4')
+  assert loop.train(short_config(corpus, 3), str(run_copy))["step"] == 3
+  text = path.read_text()
+  assert text.startswith(whole) and text.endswith("\n")
+  records = [json.loads(line) for line in text.splitlines()]
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert np.isfinite(records[-1]["loss"]) and records[-1]["loss"] != 5.4
+  warnings = [r.getMessage() for r in caplog.records if "torn record" in r.getMessage()]
+  assert len(warnings) == 1 and str(path) in warnings[0]
+
+
+def test_a_record_cut_short_by_a_file_size_limit_leaves_whole_lines(tmp_path):
+  """Under a file size limit that cuts the 4th record (a full disk), the write fails
+  with the OS error naming the file, the file keeps the 3 whole records, and the next
+  run appends after them."""
+  script = textwrap.dedent(f"""
+      import os, resource
+      from gemma_jax.training import metrics
+      writer = metrics.MetricsWriter({str(tmp_path)!r}, 0)
+      for step in (1, 2, 3):
+        writer.write(step, {{"loss": 5.0 - step}})
+      size = os.path.getsize(os.path.join({str(tmp_path)!r}, metrics.METRICS_FILE))
+      resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, resource.RLIM_INFINITY))
+      try:
+        writer.write(4, {{"loss": 1.0, "grad_norm": 0.5}})
+      except OSError as error:
+        print(error)
+      """)
+  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=REPO, timeout=120, check=False)
+  path = tmp_path / metrics.METRICS_FILE
+  lines = path.read_text().split("\n")
+  assert lines[-1] == "" and [json.loads(line)["step"] for line in lines[:-1]] == [1, 2, 3]
+  assert result.stdout == f"[Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}: '{path}'\n", (
+      result.stderr)
+  writer = metrics.MetricsWriter(str(tmp_path), 3)
+  writer.write(4, {"loss": 1.0})
+  writer.close()
+  assert [r["step"] for r in metrics.read_records(str(tmp_path))] == [1, 2, 3, 4]
