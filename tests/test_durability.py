@@ -98,3 +98,85 @@ def test_a_record_cut_short_by_a_file_size_limit_leaves_whole_lines(tmp_path):
   writer.write(4, {"loss": 1.0})
   writer.close()
   assert [r["step"] for r in metrics.read_records(str(tmp_path))] == [1, 2, 3, 4]
+
+
+# 4. Checkpoints: checked on restore, the step and file named, an intact step offered.
+
+def largest_file(directory):
+  return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_flipped_bytes_in_a_checkpoint_name_the_step_the_file_and_the_intact_step(corpus,
+                                                                                run_copy):
+  """Bytes flipped in step 2's largest array file had loaded silently; the resume now
+  names the step and the file and offers step 1, from which it then goes on."""
+  step_dir = run_copy / "checkpoints" / "2"
+  damaged = largest_file(step_dir / "state")
+  data = bytearray(damaged.read_bytes())
+  data[len(data) // 2:len(data) // 2 + 8] = bytes(b ^ 0xFF for b in data[len(data) // 2:
+                                                                          len(data) // 2 + 8])
+  damaged.write_bytes(bytes(data))
+  with pytest.raises(checkpoints.CheckpointError) as error:
+    loop.train(short_config(corpus, 3), str(run_copy))
+  relative = damaged.relative_to(step_dir)
+  assert str(error.value) == (
+      f"the checkpoint of step 2 in {run_copy / 'checkpoints'} is corrupt: {relative} "
+      "differs from the file saved (its sha256 in checksums.json); move "
+      f"{step_dir} away to use step 1 (intact)")
+  shutil.move(str(step_dir), str(run_copy / "step_2_damaged"))
+  summary = loop.train(short_config(corpus, 3), str(run_copy))
+  assert summary["step"] == 3 and np.isfinite(summary["eval_loss"])
+
+
+def test_a_deleted_metadata_file_is_damage_not_a_config_mismatch(corpus, run_copy):
+  (run_copy / "checkpoints" / "2" / "state" / "_METADATA").unlink()
+  with pytest.raises(checkpoints.CheckpointError, match=(
+      r"step 2 .* is corrupt: state/_METADATA is missing; move \S+/2 away to use step 1 "
+      r"\(intact\)$")):
+    loop.train(short_config(corpus, 3), str(run_copy))
+
+
+def test_with_every_step_damaged_no_step_is_offered(corpus, run_copy):
+  for step in (1, 2):
+    (run_copy / "checkpoints" / str(step) / "data" / "metadata").write_text('{"next_row": 8}')
+  with pytest.raises(checkpoints.CheckpointError, match=(
+      r"step 2 .* is corrupt: data/metadata differs from the file saved .*; no other step "
+      r"is intact \(1 neither\)$")):
+    loop.train(short_config(corpus, 3), str(run_copy))
+
+
+def test_a_step_saved_without_checksums_is_restored_with_a_warning(corpus, run_copy, caplog):
+  """Steps saved before checksums were kept still resume."""
+  (run_copy / "checkpoints" / "2" / "checksums.json").unlink(missing_ok=True)
+  assert loop.train(short_config(corpus, 3), str(run_copy))["step"] == 3
+  assert any("step 2" in r.getMessage() and "restored unchecked" in r.getMessage()
+             for r in caplog.records)
+
+
+@pytest.mark.parametrize("position, problem", [
+    ({}, "the data position {} has no next_row"),
+    ({"next_row": -8, "seed": 0, "rows": 10}, "has next_row -8, not an int >= 0"),
+    ({"next_row": "16", "seed": 0, "rows": 10}, "has next_row '16', not an int >= 0"),
+])
+def test_a_bad_saved_data_position_is_one_error(corpus, run_copy, position, problem):
+  """A step whose files are as saved but whose data position no run could have saved:
+  one CheckpointError naming the step and the file, not a KeyError traceback or a run
+  from a negative row."""
+  config = short_config(corpus, 3)
+  directory = run_copy / "checkpoints"
+  model = gj.transform(config)
+  tx = optimizer.make_optimizer(config.optimizer, lambda _: 1.0)
+  like = jax.eval_shape(lambda: steps.init_state(model, tx, 0, config.data.seq_len))
+  checkpointer = checkpoints.Checkpointer(str(directory), 3)
+  state, _ = checkpointer.restore(like)
+  checkpointer.save(state._replace(step=state.step + 1), position)
+  checkpointer.wait()
+  checkpointer.close()
+  config.train.steps = 4
+  with pytest.raises(checkpoints.CheckpointError) as error:
+    loop.train(config, str(run_copy))
+  message = str(error.value)
+  assert message.startswith(f"the checkpoint of step 3 in {directory} holds a data position "
+                            "this run cannot go on from (data/metadata: ")
+  assert problem in message and message.endswith(f"; move {directory / '3'} away to use "
+                                                 "step 2 (intact)")

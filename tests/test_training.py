@@ -1,6 +1,7 @@
 """Training: loss, optimizer, steps, FLOPs, and whole runs (resume, signals,
 divergence, errors)."""
 
+import errno
 import os
 import re
 import resource
@@ -419,7 +420,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
   monkeypatch.setattr(steps, "make_train_step", poisoned)
   config = tiny_config(corpus)
   with pytest.raises(loop.TrainingDiverged, match=r"the loss or gradient norm is not finite "
-                     r"\(loss nan, .* at step 4: .* last good checkpoint is step 2"):
+                     r"\(loss nan, .* at step 4: .* latest checkpoint is step 2"):
     loop.train(config, str(tmp_path))
   assert_only_checkpoint_is_finite_step_2(config, tmp_path)
 
@@ -436,7 +437,7 @@ def test_non_finite_parameters_stop_the_run_before_they_are_saved(corpus, tmp_pa
   monkeypatch.setattr(optimizer, "learning_rate_schedule", nan_at_the_4th_update)
   config = tiny_config(corpus)
   with pytest.raises(loop.TrainingDiverged, match=r"the updated parameters are not finite "
-                     r"\(loss \d.*\) at step 4: .* last good checkpoint is step 2"):
+                     r"\(loss \d.*\) at step 4: .* latest checkpoint is step 2"):
     loop.train(config, str(tmp_path))
   assert_only_checkpoint_is_finite_step_2(config, tmp_path)
 
@@ -448,13 +449,15 @@ def test_a_failed_checkpoint_write_is_one_error_keeping_the_steps_before(sgd, tm
   checkpointer = checkpoints.Checkpointer(str(tmp_path), 2)
   checkpointer.save(sgd["state"], {"next_row": 0})
   checkpointer.wait()
+  # Computed before the cap: JAX would write the program that adds into its cache, cut.
+  later = sgd["state"]._replace(step=sgd["state"].step + 1)
   limits = resource.getrlimit(resource.RLIMIT_FSIZE)
   resource.setrlimit(resource.RLIMIT_FSIZE, (2048, limits[1]))
   try:
     with pytest.raises(checkpoints.CheckpointError, match=re.escape(
-        f"writing a checkpoint in {tmp_path} failed (") + r".*the steps saved before are "
-        r"kept: 0$"):
-      checkpointer.save(sgd["state"]._replace(step=sgd["state"].step + 1), {"next_row": 8})
+        f"writing the checkpoint {tmp_path / '1'} failed: [Errno {errno.EFBIG}] "
+        f"{os.strerror(errno.EFBIG)}; the steps saved before are kept: 0") + "$"):
+      checkpointer.save(later, {"next_row": 8})
       checkpointer.wait()
   finally:
     resource.setrlimit(resource.RLIMIT_FSIZE, limits)
@@ -475,7 +478,8 @@ def assert_only_checkpoint_is_finite_step_2(config, workdir):
 @pytest.mark.parametrize("damage", ["state_removed", "data_not_json", "arrays_emptied"])
 def test_a_damaged_latest_checkpoint_is_one_error_naming_the_step(corpus, tmp_path, damage):
   """orbax had ended the resume in a raw KeyError or JSONDecodeError traceback; the error
-  now names the step and the one to fall back on, which a resume then takes."""
+  now names the step, the file its checksums find damaged, and the step to fall back on,
+  which a resume then takes."""
   config = tiny_config(corpus)
   config.train.steps, config.optimizer.warmup_steps = 2, 0
   config.checkpoint.save_every, config.sample.max_new_tokens = 1, 0
@@ -491,7 +495,7 @@ def test_a_damaged_latest_checkpoint_is_one_error_naming_the_step(corpus, tmp_pa
   resumed = config.copy_and_resolve_references()
   resumed.train.steps = 3
   with pytest.raises(checkpoints.CheckpointError, match=re.escape(
-      f"the checkpoint of step 2 in {tmp_path / 'checkpoints'} cannot be read (") + ".*"
+      f"the checkpoint of step 2 in {tmp_path / 'checkpoints'} is corrupt: ") + ".*"
       + re.escape(f"move {step_dir} away to use step 1")) as error:
     loop.train(resumed, str(tmp_path))
   assert "bound method" not in str(error.value)   # tensorstore's pointer to its details

@@ -332,13 +332,24 @@ class TrainBatches:
     return {"next_row": self.next_row, "seed": self.seed, "rows": len(self.rows)}
 
   def restore(self, state: dict) -> None:
+    """Goes on from a position `state()` gave; raises ValueError naming what is wrong
+    with one it cannot go on from (a checkpoint's, damaged or written by hand)."""
+    if not isinstance(state, dict):
+      raise ValueError(f"the data position is {state!r}, not a JSON object")
+    # Checkpoints written before positions were rows count batches of this size.
+    position = "next_batch" if "next_batch" in state and "next_row" not in state else "next_row"
+    for key in (position, "seed", "rows"):
+      if key not in state:
+        raise ValueError(f"the data position {state!r} has no {key}")
+      value = state[key]
+      if isinstance(value, bool) or not isinstance(value, int) or (key != "seed" and value < 0):
+        raise ValueError(f"the data position {state!r} has {key} {value!r}, not an int"
+                         + (" >= 0" if key != "seed" else ""))
     if (state["seed"], state["rows"]) != (self.seed, len(self.rows)):
       logging.warning("the checkpoint's data position was taken with seed %s over %s rows; "
                       "now seed %s over %s rows: batches will differ from the first run",
                       state["seed"], state["rows"], self.seed, len(self.rows))
-    # Checkpoints written before positions were rows count batches of this size.
-    self.next_row = int(state["next_row"] if "next_row" in state
-                        else state["next_batch"] * self.batch_size)
+    self.next_row = state[position] * (self.batch_size if position == "next_batch" else 1)
 
   def __iter__(self) -> Iterator[dict]:
     return self

@@ -99,7 +99,9 @@ def _check_finite(pending: List[Tuple[int, dict]], checkpointer, directory) -> L
     metrics_finite = np.isfinite(values["loss"]) and np.isfinite(values["grad_norm"])
     if not (metrics_finite and params_finite):
       latest = checkpointer.latest_step()
-      kept = (f"the last good checkpoint is step {latest} in {directory}" if latest is not None
+      # Saves come only from parameters checked finite; whether the step's files are
+      # intact is for the restore, which checks them, to say.
+      kept = (f"the latest checkpoint is step {latest} in {directory}" if latest is not None
               else "no checkpoint was saved before it")
       what = "the loss or gradient norm is" if not metrics_finite else "the updated parameters are"
       raise TrainingDiverged(f"{what} not finite (loss {values['loss']}, grad_norm "
@@ -217,6 +219,9 @@ def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -
     ConfigError / data.DataError: naming the config field at fault, before compiling.
     TrainingDiverged: the loss or parameters became NaN or infinite; no checkpoint is
       written from that step on.
+    checkpoints.CheckpointError: the checkpoint to resume from is damaged (it names the
+      intact step to use instead), or a save failed (it names the OS error).
+    OSError: metrics.jsonl could not be written (its records stay whole).
   """
   config_lib.validate(config)
   config = init_from.resolve(_resumed_base_step(config, workdir), model_overrides)
@@ -263,7 +268,8 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   eval_set = [sharding.global_batch(batch, mesh) for batch in local_eval_set]
   checkpoint_dir = workdir_lib.checkpoint_dir(workdir)
   checkpointer = checkpoints.Checkpointer(checkpoint_dir, config.checkpoint.keep,
-                                          pinned=lambda: workdir_lib.pinned_steps(workdir))
+                                          pinned=lambda: workdir_lib.pinned_steps(workdir),
+                                          writer=True)
   if config.lora.rank and t.init_from_step is not None and jax.process_index() == 0:
     _pin_base_step(t.init_from, t.init_from_step, workdir)
   # Trained params combined with the frozen ones (a LoRA run's base; else nothing).
@@ -282,7 +288,12 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
       frozen = _frozen_base(config, mesh)
     if checkpointer.latest_step() is not None:
       state, data_state = checkpointer.restore(jax.eval_shape(init))
-      batches.restore(data_state)
+      try:
+        batches.restore(data_state)
+      except ValueError as error:   # a position no run saves: written by hand, or damaged
+        raise checkpointer.damaged(int(state.step), "holds a data position this run "
+                                   f"cannot go on from ({checkpoints.DATA_POSITION_FILE}: "
+                                   f"{error})") from None
       _say(f"resumed from step {int(state.step)} in {checkpoint_dir}"
            + (" (train.init_from is read only for a new run)" if t.init_from else ""))
       _say_changes_since_saved(config, workdir)
@@ -380,10 +391,12 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
       summary.update(step=step, stopped_by=stop.requested)
   finally:
     bar.close()
-    checkpointer.wait()
-    checkpointer.close()
-    if writer:
-      writer.close()
+    try:
+      checkpointer.wait()
+    finally:
+      checkpointer.close()
+      if writer:
+        writer.close()
 
   if summary["stopped_by"]:
     _say(f"stopped by {summary['stopped_by']} at step {step}; checkpoint saved in "
@@ -409,8 +422,7 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
     _say(f"sample: {summary['sample']!r}")
     if jax.process_index() == 0:
       written["sample"] = os.path.join(workdir, SAMPLE_FILE)
-      with open(written["sample"], "w", encoding="utf-8") as f:
-        f.write(summary["sample"])
+      workdir_lib.write_atomically(written["sample"], summary["sample"])
   for what, path in written.items():
     _say(f"{what:>11}: {path}")
   return summary
