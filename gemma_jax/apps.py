@@ -1,23 +1,31 @@
 """What every absl app in experiments/ shares: `run(main)` instead of `absl.app.run(main)`,
 and `define_model_flags()` for the apps that run a trained model.
 
-It keeps absl's behaviour (--help, flags, UsageError) and adds three things:
+It keeps absl's behaviour (--help, flags, UsageError) and adds four things:
 - a bad --config file or --config.* override ends with one line on stderr that names
   the field (`train.py: error: --config.train.stepz: config.train has no field 'stepz';
   did you mean 'steps'?`) and exit status 2, instead of a traceback;
+- Ctrl-C ends with one line (`train.py: interrupted`) and exit status 130, as a shell
+  reports a command it interrupted, instead of a KeyboardInterrupt traceback;
 - the console keeps to what the user asked for: absl, orbax and JAX's INFO lines (JAX's
-  backend probing among them) are hidden unless --verbosity is given;
+  backend probing among them) are hidden unless --verbosity is given, and after
+  `log_to_file(path)` the libraries' error reports (orbax's tracebacks of a failed
+  save) go to that file;
 - compiled programs are kept on disk for the next run (`gemma_jax.compilation_cache`;
   --compilation_cache_dir= turns that off).
 """
 
+import _thread
 import difflib
 import functools
 import importlib.machinery
 import importlib.util
+import logging as python_logging
 import os
 import re
+import signal
 import sys
+import threading
 from typing import Callable, List, NamedTuple, Optional
 
 from absl import app
@@ -32,6 +40,7 @@ from gemma_jax import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 USAGE_ERROR = 2   # the exit status of a refused command line, as argparse's
+INTERRUPTED = 130   # the exit status of an interrupted command: 128 + SIGINT, as a shell's
 
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache_dir", None, "Where compiled programs are kept for the next run; "
@@ -43,9 +52,83 @@ flags.disclaim_key_flags()
 
 
 def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None) -> None:
-  """absl.app.run(main) with one-line config errors, a quiet console and the compilation
-  cache on."""
-  app.run(_quietly(_with_compilation_cache(main)), argv=argv, flags_parser=parse_flags)
+  """absl.app.run(main) with one-line config errors, Ctrl-C as one line and exit status
+  130, a quiet console and the compilation cache on. Files being written when Ctrl-C
+  comes are the writers' to keep whole (the training loop stops at its next step)."""
+  # The app may have set its own handler for the seconds its imports take.
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  sys.unraisablehook = _interrupt_again
+  try:
+    app.run(_quietly(_with_compilation_cache(main)), argv=argv, flags_parser=parse_flags)
+  except KeyboardInterrupt:
+    sys.stderr.write(f"{os.path.basename((argv or sys.argv)[0])}: interrupted\n")
+    sys.exit(INTERRUPTED)
+
+
+def log_to_file(path: str) -> None:
+  """Sends the process's error reports from here on to the file `path` instead of the
+  console: log records at ERROR and above, and the exceptions no caller could catch (in
+  a background thread, or ignored as unraisable). Orbax reports a failed save so, in
+  hundreds of lines of tracebacks from its threads, which the app's own one-line error
+  sums up. Until the directory of `path` exists they stay on the console; with
+  --verbosity they go to both."""
+  errors = _ErrorFile(path)
+  python_logging.getLogger().addHandler(errors)
+  if not FLAGS["verbosity"].present:
+    logging.get_absl_handler().addFilter(
+        lambda record: record.levelno < python_logging.ERROR or not errors.ready())
+  sys.unraisablehook = _log_unraisable
+  threading.excepthook = _log_thread_exception
+
+
+class _ErrorFile(python_logging.FileHandler):
+  """Appends log records at ERROR and above, in absl's format, to a file it creates at
+  the first one, once its directory exists."""
+
+  def __init__(self, path: str):
+    super().__init__(os.path.abspath(path), delay=True)
+    self.setLevel(python_logging.ERROR)
+    self.setFormatter(logging.PythonFormatter())
+
+  def ready(self) -> bool:
+    return os.path.isdir(os.path.dirname(self.baseFilename))
+
+  def emit(self, record: python_logging.LogRecord) -> None:
+    if self.ready():
+      super().emit(record)
+
+  def handleError(self, record: python_logging.LogRecord) -> None:
+    """A record the file cannot take (the disk is full) is lost, not printed with a
+    traceback of its own on the console."""
+
+
+def _interrupt_again(unraisable) -> None:
+  """sys.unraisablehook: a Ctrl-C whose KeyboardInterrupt was raised where Python ignores
+  exceptions (in a garbage collector callback, as JAX's, or a __del__) is delivered
+  again, so that it still stops the app; other exceptions are printed as by default."""
+  if issubclass(unraisable.exc_type, KeyboardInterrupt):
+    _thread.interrupt_main()
+  else:
+    sys.__unraisablehook__(unraisable)
+
+
+def _log_unraisable(unraisable) -> None:
+  """sys.unraisablehook that logs the exception as an error, with its traceback (a
+  KeyboardInterrupt is delivered again, as by `_interrupt_again`)."""
+  if issubclass(unraisable.exc_type, KeyboardInterrupt):
+    _interrupt_again(unraisable)
+    return
+  logging.error("%s: %r", unraisable.err_msg or "Exception ignored in", unraisable.object,
+                exc_info=(unraisable.exc_type, unraisable.exc_value,
+                          unraisable.exc_traceback))
+
+
+def _log_thread_exception(args) -> None:
+  """threading.excepthook that logs the exception as an error, with its traceback."""
+  if args.exc_type is SystemExit:   # ends a thread quietly, as by default
+    return
+  logging.error("exception in thread %s", args.thread.name if args.thread else "?",
+                exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
 
 
 class ModelFlags(NamedTuple):

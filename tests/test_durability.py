@@ -180,3 +180,129 @@ def test_a_bad_saved_data_position_is_one_error(corpus, run_copy, position, prob
                             "this run cannot go on from (data/metadata: ")
   assert problem in message and message.endswith(f"; move {directory / '3'} away to use "
                                                  "step 2 (intact)")
+
+
+# 10. A full disk during a save: one line naming the path and the OS error.
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_detail_goes_to_the_log(corpus, tmp_path):
+  """Files capped at 100 kB (Python ignores SIGXFSZ, so writes fail with EFBIG): orbax
+  fails to write step 1's arrays, in hundreds of lines of tracebacks from its threads;
+  the console gets one line, train.log the tracebacks. The compilation cache is off: its
+  files would hit the cap too."""
+  workdir = tmp_path / "run"
+  limit = "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, -1))"
+  result = subprocess.run(
+      [sys.executable, "-c", f"{limit}; import runpy, sys; sys.argv = sys.argv[1:]; "
+       "runpy.run_path(sys.argv[0], run_name='__main__')",
+       os.path.join(REPO, "experiments", "train.py"),
+       f"--config={write_config_file(tmp_path, corpus, 3)}", f"--workdir={workdir}",
+       "--config.checkpoint.save_every=1", "--compilation_cache_dir="],
+      capture_output=True, text=True, cwd=REPO, timeout=300, check=False)
+  assert (result.returncode, result.stderr) == (1, (
+      f"train.py: error: writing the checkpoint {workdir / 'checkpoints' / '1'} failed: "
+      f"[Errno {errno.EFBIG}] {os.strerror(errno.EFBIG)}; the steps saved before are kept: "
+      "none\n"))
+  log = (workdir / "train.log").read_text()
+  assert "Traceback (most recent call last)" in log and "File too large" in log
+  assert [r["step"] for r in metrics.read_records(str(workdir))] == [1, 2]   # 2 is due
+  # With room again, the run starts afresh (no step was saved) and the failed save's
+  # staging directory goes; a reader leaves it (it could be a save under way).
+  checkpoints.Checkpointer(str(workdir / "checkpoints"), 3).close()
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["1.orbax-checkpoint-tmp"]
+  assert loop.train(workdir_lib.load_config(str(workdir)), str(workdir))["step"] == 3
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["1", "2", "3"]
+  assert [r["step"] for r in metrics.read_records(str(workdir))] == [1, 2, 3]
+
+
+# 12. Ctrl-C at any stage: one line and status 130, or the loop's clean stop.
+
+WORKDIR_FILES = {workdir_lib.LOCK_FILE, workdir_lib.CONFIG_FILE, workdir_lib.CHECKPOINT_DIR,
+                 metrics.METRICS_FILE, metrics.PLOT_FILE, "tensorboard", "train.log"}
+
+
+def assert_nothing_half_written(workdir):
+  """Every file of the workdir whole: no staging files, a config that loads, records
+  that parse, only finished checkpoint steps."""
+  if not workdir.exists():
+    return
+  assert set(os.listdir(workdir)) <= WORKDIR_FILES, os.listdir(workdir)
+  if (workdir / workdir_lib.CONFIG_FILE).exists():
+    workdir_lib.load_config(str(workdir))
+  if (workdir / metrics.METRICS_FILE).exists():
+    text = (workdir / metrics.METRICS_FILE).read_text()
+    assert text == "" or text.endswith("\n")
+    for line in text.splitlines():
+      json.loads(line)
+  if (workdir / workdir_lib.CHECKPOINT_DIR).exists():
+    assert all(name.isdigit() for name in os.listdir(workdir / workdir_lib.CHECKPOINT_DIR))
+
+
+def interrupt(args, when):
+  """(status, stdout, stderr) of train.py sent SIGINT once `when(stdout so far)` holds."""
+  process = run_app(*args, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+  out, err = [], []
+
+  def read(stream, lines):
+    for line in stream:
+      lines.append(line)
+
+  readers = [threading.Thread(target=read, args=pair) for pair in
+             ((process.stdout, out), (process.stderr, err))]
+  for reader in readers:
+    reader.start()
+  deadline = time.time() + 180
+  while not when("".join(out)):
+    if process.poll() is not None or time.time() > deadline:
+      process.kill()
+      pytest.fail(f"train.py ended before its SIGINT: {''.join(out)}{''.join(err)}")
+    time.sleep(0.05)
+  process.send_signal(signal.SIGINT)
+  try:
+    process.wait(timeout=120)
+  except subprocess.TimeoutExpired:
+    process.kill()
+    pytest.fail(f"train.py went on after SIGINT: {''.join(out)[-500:]}{''.join(err)}")
+  finally:
+    for reader in readers:
+      reader.join()
+  return process.returncode, "".join(out), "".join(err)
+
+
+def test_ctrl_c_at_any_stage_is_one_line_and_status_130_or_a_clean_stop(corpus, tmp_path):
+  """Ctrl-C while importing, loading, compiling, probing the FLOPs, training, and
+  restoring a checkpoint to resume, one run after another in one workdir; a last run
+  goes on from what they left and logs each step once."""
+  workdir = tmp_path / "run"
+  args = [f"--config={write_config_file(tmp_path, corpus, 100000)}", f"--workdir={workdir}",
+          "--config.train.peak_flops=0"]   # 0: the FLOPs probe runs
+  records = lambda: (metrics.read_records(str(workdir))
+                     if (workdir / metrics.METRICS_FILE).exists() else [])
+  # When to send SIGINT, given the time the run started, the records there were then,
+  # and its output so far.
+  stages = [
+      ("importing", lambda start, logged, out: time.time() > start + 0.3),
+      ("loading or compiling", lambda start, logged, out: "data:" in out),
+      ("probing the FLOPs",
+       lambda start, logged, out: "compiled the train and eval steps" in out),
+      ("training", lambda start, logged, out: len(records()) > logged),
+      ("restoring", lambda start, logged, out: "data:" in out),
+  ]
+  stopped_at = None
+  for stage, when in stages:
+    status, out, err = interrupt(args, functools.partial(when, time.time(), len(records())))
+    if status == 0:   # the loop's own stop, with a checkpoint of the step reached
+      assert err == "", (stage, err)
+      stopped_at = int(out.split("stopped by SIGINT at step ")[1].split(";")[0])
+      assert stopped_at in checkpoints.Checkpointer(str(workdir / "checkpoints"), 1).all_steps()
+    else:
+      assert (status, err) == (130, "train.py: interrupted\n"), (stage, status, err)
+    if stage == "importing":
+      assert out == "" and not workdir.exists()
+    if stage == "training":
+      assert status == 0
+    assert_nothing_half_written(workdir)
+  final = run_app(*args, f"--config.train.steps={stopped_at + 2}")
+  out, err = final.communicate(timeout=300)
+  assert final.returncode == 0, err
+  assert f"resumed from step {stopped_at}" in out
+  assert [r["step"] for r in records()] == list(range(1, stopped_at + 3))
