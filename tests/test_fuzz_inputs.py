@@ -13,14 +13,12 @@ import random
 import shutil
 import struct
 
-import numpy as np
 import pytest
-import torch
-import transformers
 
 import gemma_jax as gj
-from gemma_jax import hf_gpt2, safetensors_io
+from gemma_jax import hf_gpt2
 from gemma_jax.training import data
+from test_hostile_checkpoints import saved   # pylint: disable=unused-import  (a fixture)
 
 SEED = 67
 CASES = 300            # of each kind
@@ -42,8 +40,6 @@ SCALARS = (None, True, False, 0, 1, -1, 2, 3, 6, 2**31, 2**63, 10**400, 0.5, -0.
            float("nan"), float("inf"), "", "x", "8", "1e6", "gelu", "linear", "proportional",
            "sliding_attention", "full_attention", "vision", "gemma3", "gemma4_text", "gpt2",
            "05", "\u00b2", "x" * 5000)
-TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=8, num_hidden_layers=2, sliding_window=4)
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -133,15 +129,6 @@ def test_malformed_config_json_is_a_checkpoint_error_naming_it(tmp_path):
     message = str(error.value)
     assert (message.startswith(f"{path}/config.json: ")
             or message == f"{path}: no .safetensors files"), (case, message)
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-  """A tiny transformers Gemma3ForCausalLM, saved once."""
-  path = str(tmp_path_factory.mktemp("saved"))
-  torch.manual_seed(0)
-  transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**TINY)).save_pretrained(path)
-  return path
 
 
 def _header_and_data(file: str):
