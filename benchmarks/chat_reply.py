@@ -26,7 +26,7 @@ import gemma_jax as gj
 import side_by_side as sbs
 from gemma_jax.inference import decoding, sampler
 from gemma_jax.inference.chat_session import ChatSession
-from gemma_jax.training import tokenizers
+from gemma_jax.text import tokenizers
 
 FLAGS = flags.FLAGS
 

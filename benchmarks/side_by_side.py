@@ -24,7 +24,7 @@ adapters on `config.lora.targets` (attention and MLP projections), the base froz
 Ours: a user's loop, `jax.value_and_grad` over the adapters of
 `gj.transform(config).apply(lora.combine(base, adapters), ...)`, optax's clipped AdamW
 over the adapters, `jax.jit`. Theirs: peft's `PeftModel.from_pretrained` of our adapters
-written by `gemma_jax.hf_peft.save` (B made nonzero, so that the logits check covers
+written by `gemma_jax.peft_adapters.save` (B made nonzero, so that the logits check covers
 the adapters' mapping), AdamW over its trainable parameters. The forward pass runs the
 adapters unmerged on both sides; decoding is not timed (one merges before serving).
 
@@ -54,7 +54,8 @@ import optax
 
 import common
 import gemma_jax as gj
-from gemma_jax import hf_peft, host_memory, lora
+from gemma_jax import host_memory, lora
+from gemma_jax.checkpoints import peft_adapters
 from gemma_jax.inference import decoding, sampler
 from gemma_jax.training import data, flops, optimizer, steps
 
@@ -210,7 +211,7 @@ class UserLoraLoop(UserLoop):
     (`path`/adapter); returns the latter."""
     gj.hf.save(path, lora.disabled(self.config), self.frozen)
     adapter_dir = os.path.join(path, "adapter")
-    hf_peft.save(adapter_dir, self.config, self.trained)
+    peft_adapters.save(adapter_dir, self.config, self.trained)
     return adapter_dir
 
 

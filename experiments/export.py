@@ -26,11 +26,12 @@ import sys
 from absl import app
 from absl import flags
 
-from gemma_jax import apps, hf, hf_peft, quant
-from gemma_jax import workdir as workdir_lib
-from gemma_jax.checkpoints import CheckpointError, directory
+from gemma_jax import apps, hf, quant
+from gemma_jax.training import workdir as workdir_lib
+from gemma_jax.checkpoints import CheckpointError, directory, peft_adapters
 from gemma_jax.config import ConfigError
-from gemma_jax.training import checkpoints, init_from, tokenizers
+from gemma_jax.training import checkpoints, init_from
+from gemma_jax.text import tokenizers
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to export.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write.")
@@ -117,7 +118,7 @@ def export_adapters(workdir: str, out: str, overwrite: bool = False) -> str:
   base, step = config.train.init_from, _latest_step(workdir, config)
   # peft's AutoPeftModel loads the base from here: a transformers directory, not a workdir.
   hf_base = os.path.abspath(base) if base and not workdir_lib.is_workdir(base) else None
-  hf_peft.save(out, config, init_from.restore_params(config, workdir, step=step), hf_base,
+  peft_adapters.save(out, config, init_from.restore_params(config, workdir, step=step), hf_base,
                overwrite=overwrite, source=source)
   return (f"wrote the rank-{config.lora.rank} LoRA adapters of step {step} to {out} "
           f"(base: {base})")

@@ -29,6 +29,7 @@ from ml_collections import config_flags
 
 import gemma_jax as gj
 from gemma_jax import apps, planning, sharding
+from gemma_jax.layers import kv_cache
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -41,7 +42,7 @@ _CACHE_LENGTH = flags.DEFINE_integer("cache_length", 0, "Also plan decoding cach
                                      "this many positions; 0: do not.", lower_bound=0)
 _CACHE_BATCH = flags.DEFINE_integer("cache_batch", 1, "Rows of the planned decoding caches.",
                                     lower_bound=1)
-_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "bfloat16", list(gj.quant.kv_cache.CACHE_DTYPES),
+_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", "bfloat16", list(kv_cache.CACHE_DTYPES),
                                  "Dtype of the planned caches.")
 flags.mark_flags_as_required(["config"])
 

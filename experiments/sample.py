@@ -19,6 +19,7 @@ from absl import flags
 import gemma_jax as gj
 from gemma_jax import apps
 from gemma_jax.inference import sampler
+from gemma_jax.layers import kv_cache
 
 _MODEL = apps.define_model_flags()
 _PROMPT = flags.DEFINE_string("prompt", "def ", "Text to continue, encoded as text: a "
@@ -35,7 +36,7 @@ _IMAGE = flags.DEFINE_multi_string("image", [], "An image file for a model with 
                                    "(Gemma 3: <start_of_image>, Gemma 4: <|image|>, written in "
                                    "--prompt), or goes before the prompt's text.")
 _CACHE_DTYPE = flags.DEFINE_string("cache_dtype", None, "Dtype of the cached keys and values, "
-                                   f"one of {', '.join(gj.quant.kv_cache.CACHE_DTYPES)} (int8: "
+                                   f"one of {', '.join(kv_cache.CACHE_DTYPES)} (int8: "
                                    "with per-token, per-head scales); default: bfloat16 on "
                                    "accelerators, else the compute dtype.")
 
@@ -44,9 +45,9 @@ def main(argv):
   del argv
   try:
     # Checked before loading a model: Sampler would refuse it only after.
-    if _CACHE_DTYPE.value is not None and _CACHE_DTYPE.value not in gj.quant.kv_cache.CACHE_DTYPES:
+    if _CACHE_DTYPE.value is not None and _CACHE_DTYPE.value not in kv_cache.CACHE_DTYPES:
       raise ValueError(f"--cache_dtype: {_CACHE_DTYPE.value!r} is not one of "
-                       f"{', '.join(gj.quant.kv_cache.CACHE_DTYPES)}")
+                       f"{', '.join(kv_cache.CACHE_DTYPES)}")
     config, params, tokenizer = _MODEL.load()
     samples = sampler.Sampler(config, params, tokenizer, cache_dtype=_CACHE_DTYPE.value).sample(
         [_PROMPT.value], max_new_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,

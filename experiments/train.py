@@ -44,7 +44,7 @@ from ml_collections import config_flags
 
 from gemma_jax import apps, sharding
 from gemma_jax.config import ConfigError
-from gemma_jax.workdir import WorkdirError
+from gemma_jax.training.workdir import WorkdirError
 from gemma_jax.training import loop
 from gemma_jax.training.checkpoints import CheckpointError
 

@@ -36,7 +36,8 @@ from ml_collections.config_flags import config_flags
 
 from gemma_jax import compilation_cache
 from gemma_jax import config as config_lib
-from gemma_jax import workdir as workdir_lib
+from gemma_jax import quant
+from gemma_jax.training import init_from
 
 FLAGS = flags.FLAGS
 USAGE_ERROR = 2   # the exit status of a refused command line, as argparse's
@@ -139,11 +140,11 @@ class ModelFlags(NamedTuple):
   tokenizer: flags.FlagHolder
   quant: flags.FlagHolder
 
-  def load(self) -> workdir_lib.Loaded:
+  def load(self) -> init_from.Loaded:
     """(config, params, tokenizer) of the workdir or transformers directory given,
     quantized as --quant says (stored-weight modes quantize the float weights once)."""
     try:
-      loaded = workdir_lib.load_model(workdir=self.workdir.value, hf_dir=self.hf_dir.value,
+      loaded = init_from.load_model(workdir=self.workdir.value, hf_dir=self.hf_dir.value,
                                       tokenizer=self.tokenizer.value)
     except config_lib.ConfigError as error:
       if error.field != "data.tokenizer" or (self.workdir.value and not self.tokenizer.value):
@@ -153,7 +154,6 @@ class ModelFlags(NamedTuple):
     mode = self.quant.value
     if mode in (None, loaded.config.model.quant):
       return loaded
-    from gemma_jax import quant   # pylint: disable=import-outside-toplevel
     if loaded.config.model.quant in quant.STORED_MODES:
       raise config_lib.ConfigError(
           "model.quant", f"{self.workdir.value or self.hf_dir.value} holds "

@@ -18,7 +18,7 @@ is unrolled. Parameter names:
 `stack_layers` / `unstack_layers` convert between the two, and between the vision
 tower's scanned `vision/encoder/layers` and unrolled `vision/encoder/layers_{i}`.
 With `per_layer_input_dim` the decoder computes every layer's per-layer input first
-(`layers.per_layer_inputs`) and hands each layer its slice.
+(`models.gemma4.per_layer_inputs`) and hands each layer its slice.
 """
 
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
@@ -38,9 +38,9 @@ from gemma_jax.layers.attention import (CausalBlocks, CausalMask, attention_mask
 from gemma_jax.layers.embed import Embed, sinusoidal
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.matmul import unfused
-from gemma_jax.layers.per_layer_inputs import PerLayerInputs
-from gemma_jax.models.gemma3 import Gemma3Layer
-from gemma_jax.models.gemma4 import Gemma4Layer
+from gemma_jax.models.gemma4.per_layer_inputs import PerLayerInputs
+from gemma_jax.models.gemma3.layer import Gemma3Layer
+from gemma_jax.models.gemma4.layer import Gemma4Layer
 from gemma_jax.models.gpt3 import Gpt3Layer
 from gemma_jax.models.parallel import ParallelLayer
 from gemma_jax.models import towers

@@ -12,9 +12,10 @@ and computes y = x W + (alpha / r) (dropout(x) A) B. The adapter path runs on th
 activations (x A is [..., r]), so training the adapters never forms a gradient of W.
 A is initialised by variance scaling over its fan-in, B to zeros: a fresh adapter
 changes nothing. Under `nn.scan` the adapters are stacked on the leading "layers" axis
-like the kernels they adapt. The layers and `Linear` are untouched: `LoraDecoder` runs
-the plain `Decoder` inside `nn.intercept_methods`, which adds the adapters to targeted
-`Linear` calls, so parameter paths stay those of the plain model.
+like the kernels they adapt. The layers and `Linear` are untouched: the model runs
+inside `adapting(...)`, an `nn.intercept_methods` that adds the adapters to targeted
+`Linear` calls (`transformer.decoder_module` enters it), so parameter paths stay those
+of the plain model.
 
 Fine-tuning keeps the base frozen and trains the adapters only:
 
@@ -23,6 +24,7 @@ Fine-tuning keeps the base frozen and trains the adapters only:
     merged = lora.merge(config, params)            # run with lora.disabled(config)
 """
 
+import contextlib
 import functools
 import math
 import re
@@ -79,26 +81,23 @@ def _adapt(lora: config_dict.FrozenConfigDict, deterministic: bool, matched: set
   return y + delta.reshape(rows + out_shape).astype(y.dtype)
 
 
-class LoraDecoder(Decoder):
-  """`Decoder` with adapters on the targeted projections (parameter paths unchanged).
+@contextlib.contextmanager
+def adapting(lora: config_dict.FrozenConfigDict, deterministic: bool = True):
+  """Within it, every targeted `Linear` call gets its adapters (rank > 0), created in the
+  Linear's own scope at init; yields the set of target patterns that matched a kernel
+  (`check_matched` it after an init)."""
+  matched = set()
+  with nn.intercept_methods(functools.partial(_adapt, lora, deterministic, matched)):
+    yield matched
 
-  Attributes:
-    lora: the config's lora section (rank > 0).
-  """
-  lora: config_dict.FrozenConfigDict = None
 
-  def __call__(self, *args, **kwargs):
-    matched = set()
-    with nn.intercept_methods(functools.partial(_adapt, self.lora, self.deterministic,
-                                                matched)):
-      out = super().__call__(*args, **kwargs)
-    if self.is_initializing():
-      for pattern in self.lora.targets:
-        if pattern not in matched:
-          raise ConfigError("lora.targets", f"{pattern!r} matches no projection kernel of "
-                            f"the model (paths look like 'blocks/layer_0/attn/q/kernel', "
-                            f"'layers_7/mlp/down/kernel')")
-    return out
+def check_matched(lora: config_dict.FrozenConfigDict, matched: set) -> None:
+  """ConfigError (lora.targets) naming a target pattern that matched no kernel."""
+  for pattern in lora.targets:
+    if pattern not in matched:
+      raise ConfigError("lora.targets", f"{pattern!r} matches no projection kernel of "
+                        f"the model (paths look like 'blocks/layer_0/attn/q/kernel', "
+                        f"'layers_7/mlp/down/kernel')")
 
 
 def disabled(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
@@ -177,12 +176,15 @@ def init_adapters(config: config_dict.ConfigDict, rng: jax.Array) -> dict:
   random init is dead code that XLA drops: only the adapters are materialised."""
   if not config.lora.rank:
     return {}
-  module = LoraDecoder(config_dict.FrozenConfigDict(config.model),
-                       lora=config_dict.FrozenConfigDict(config.lora))
+  module = Decoder(config_dict.FrozenConfigDict(config.model))
+  lora = config_dict.FrozenConfigDict(config.lora)
 
   @jax.jit
   def init(rng):
     tokens = jnp.ones((1, 1), jnp.int32)
-    return split(nn.meta.unbox(module.init(rng, tokens, tokens, tokens)["params"]))[1]
+    with adapting(lora) as matched:
+      params = module.init(rng, tokens, tokens, tokens)["params"]
+    check_matched(lora, matched)
+    return split(nn.meta.unbox(params))[1]
 
   return init(rng)

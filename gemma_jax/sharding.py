@@ -27,7 +27,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from ml_collections import config_dict
 
 from gemma_jax.config import BATCH_AXES, MESH_AXES, ConfigError
-from gemma_jax import modules
+from gemma_jax import transformer
 
 RULES = (
     ("batch", BATCH_AXES),
@@ -130,7 +130,7 @@ def param_specs(config: config_dict.ConfigDict, sizes: dict) -> dict:
   tokens = jax.ShapeDtypeStruct((1, 1), np.int32)
   # Shapes and names only: no mesh, so no sharding constraints even inside activate().
   with jax.sharding.use_abstract_mesh(AbstractMesh((), ())):
-    boxed = jax.eval_shape(modules.decoder(config).init,
+    boxed = jax.eval_shape(transformer.decoder_module(config).init,
                            jax.random.key(0), tokens, tokens, tokens)["params"]
     shapes = flax.traverse_util.flatten_dict(nn.meta.unbox(boxed))
   logical = flax.traverse_util.flatten_dict(nn.get_partition_spec(boxed))

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import transformers
 
-from gemma_jax import chat
-from gemma_jax.training import tokenizers
+from gemma_jax.text import chat
+from gemma_jax.text import tokenizers
 from test_tokenizers import train_bpe_json, train_sentencepiece
 
 # The chat template of Gemma 3's tokenizer_config.json, as published (the reference).

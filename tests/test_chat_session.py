@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import gemma_jax as gj
-from gemma_jax import chat
+from gemma_jax.text import chat
 from gemma_jax.inference import decoding, make_decoding, sampler, sampling
 from gemma_jax.inference import chat_session
 from gemma_jax.inference.chat_session import ChatSession
-from gemma_jax.training import tokenizers
+from gemma_jax.text import tokenizers
 from test_decoding import random_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -225,7 +225,7 @@ def test_session_keeps_one_cache_and_equals_a_full_recomputation():
     previous_unfed = unfed
 
 
-def test_session_feeds_each_turn_at_a_bucket_width():
+def test_session_feeds_each_turn_at_a_bucket_width(monkeypatch):
   """Each turn goes in as one call right-padded to `sampler.bucket` of its length (the
   reply then one decode step a token): two later turns of 29 and 28 tokens share one
   program (width 32), where they went in as pieces of 16, 8, 4 and 1 tokens."""
@@ -235,14 +235,15 @@ def test_session_feeds_each_turn_at_a_bucket_width():
   calls = []
 
   def spy(method, lengths_at):
+    original = getattr(session.decoding, method)
+
     def call(*args, **kwargs):
       calls.append((method, args[1].shape[1], int(args[lengths_at][0])))
-      return getattr(decoding_spied, method)(*args, **kwargs)
+      return original(*args, **kwargs)
     return call
 
-  decoding_spied = session.decoding
-  session.decoding = session.decoding._replace(prefill=spy("prefill", 2),
-                                               extend=spy("extend", 3))
+  monkeypatch.setattr(session.decoding, "prefill", spy("prefill", 2))
+  monkeypatch.setattr(session.decoding, "extend", spy("extend", 3))
   for question in ("Hi!", "Two plus 3?", "Spell cat."):
     calls.clear()
     before = len(session.fed_chunks)

@@ -1,5 +1,5 @@
 """Saved checkpoint directories: written whole or not at all, and only where they are
-ours (gemma_jax.checkpoints.directory, through hf.save and hf_peft.save)."""
+ours (gemma_jax.checkpoints.directory, through hf.save and peft_adapters.save)."""
 
 import copy
 import os
@@ -15,8 +15,8 @@ import torch
 import transformers
 
 import gemma_jax as gj
-from gemma_jax import hf_peft, lora, safetensors_io
-from gemma_jax.checkpoints import CheckpointError, directory
+from gemma_jax import lora
+from gemma_jax.checkpoints import CheckpointError, directory, peft_adapters, safetensors_io
 
 MARKER = directory.MARKER
 SAVED = sorted([MARKER, "config.json", "model.safetensors"])
@@ -248,7 +248,7 @@ def test_save_over_the_export_of_another_run_or_kind_is_refused(tmp_path, two_la
   lora_config.lora.update(rank=2, alpha=4.0)
   with pytest.raises(CheckpointError, match=re.escape(
       f"{out}: holds a transformers model, which this export of peft adapters would mix")):
-    hf_peft.save(str(out), lora_config, lora.init_adapters(lora_config, jax.random.key(0)),
+    peft_adapters.save(str(out), lora_config, lora.init_adapters(lora_config, jax.random.key(0)),
                  source="/runs/a")
   assert _files(out) == before
   gj.hf.save(str(out), config, params, source="/runs/a")   # its own: replaced

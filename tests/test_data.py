@@ -14,8 +14,9 @@ import pytest
 import sentencepiece
 
 import gemma_jax as gj
-from gemma_jax import chat
-from gemma_jax.training import data, metrics, tokenizers
+from gemma_jax.text import chat
+from gemma_jax.training import data, metrics
+from gemma_jax.text import tokenizers
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓", "import os\nprint(os.sep)\n",
          "a" * 70, "class A:\n    pass\n"]

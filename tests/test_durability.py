@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import gemma_jax as gj
-from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import workdir as workdir_lib
 from gemma_jax.training import checkpoints, loop, metrics, optimizer, steps
 from test_training import REPO, run_app, tiny_config, write_config_file
 

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import gemma_jax as gj
-from gemma_jax import workdir as workdir_lib
-from gemma_jax.training import data, evaluate, init_from, loop, tokenizers
+from gemma_jax.training import workdir as workdir_lib
+from gemma_jax.training import data, evaluate, init_from, loop
+from gemma_jax.text import tokenizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = os.path.join(REPO, "configs", "data", "chat_small.jsonl")

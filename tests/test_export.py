@@ -15,8 +15,9 @@ import torch
 import transformers
 
 import gemma_jax as gj
-from gemma_jax import workdir as workdir_lib
-from gemma_jax.training import loop, tokenizers
+from gemma_jax.training import workdir as workdir_lib
+from gemma_jax.training import init_from, loop
+from gemma_jax.text import tokenizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = os.path.join(REPO, "configs", "data", "chat_small.jsonl")
@@ -67,7 +68,7 @@ def torch_logits(model, tokens):
 
 
 def test_exported_model_and_adapters_give_our_logits_in_transformers_and_peft(route):
-  config, params, _ = workdir_lib.load_model(workdir=str(route / "lora"))
+  config, params, _ = init_from.load_model(workdir=str(route / "lora"))
   tokens = np.random.RandomState(0).randint(0, 300, (2, 21)).astype(np.int32)
   ours = np.asarray(gj.transform(config).apply(params, jnp.asarray(tokens)))
   base = transformers.AutoModelForCausalLM.from_pretrained(route / "base").eval()

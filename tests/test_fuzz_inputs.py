@@ -16,7 +16,7 @@ import struct
 import pytest
 
 import gemma_jax as gj
-from gemma_jax import hf_gpt2
+from gemma_jax.checkpoints import gpt2
 from gemma_jax.training import data
 from test_hostile_checkpoints import saved   # pylint: disable=unused-import  (a fixture)
 
@@ -106,7 +106,7 @@ def _base_configs():
   configs = [gj.hf.config_to_hf(gj.get_config(name)) for name in (
       "gemma3-tiny", "gemma3-tiny-vision", "gemma4-tiny", "gemma4-tiny-vision",
       "gemma4-moe-tiny", "gemma4-e2b-tiny")]
-  configs.append(hf_gpt2.config_to_hf(gj.get_config("gpt3-52k")))
+  configs.append(gpt2.config_to_hf(gj.get_config("gpt3-52k")))
   legacy = json.loads(json.dumps(configs[0]))
   del legacy["rope_parameters"], legacy["layer_types"]
   legacy.update(rope_theta=1e6, rope_local_base_freq=1e4, sliding_window_pattern=6,

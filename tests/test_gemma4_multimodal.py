@@ -21,9 +21,10 @@ import transformers
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
 import gemma_jax as gj
-from gemma_jax import decoder, gemma4_images
+from gemma_jax import decoder
+from gemma_jax.models.gemma4 import images as gemma4_images
 from gemma_jax.inference import decoding, sampler
-from gemma_jax.models import vision
+from gemma_jax.models.gemma3 import vision
 from gemma_jax.training import optimizer as optimizer_lib
 from test_gemma4_small import HF_SHAPES
 from test_multimodal import train_on_images

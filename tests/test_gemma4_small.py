@@ -17,7 +17,8 @@ import transformers
 
 import gemma_jax as gj
 from gemma_jax import config as config_lib
-from gemma_jax import decoder, planning, safetensors_io, sharding
+from gemma_jax import decoder, planning, sharding
+from gemma_jax.checkpoints import safetensors_io
 from gemma_jax.inference import decoding, sampler
 from gemma_jax.training import metrics
 from test_gemma4 import VOCAB, random_model, saved_checkpoint, token_batch

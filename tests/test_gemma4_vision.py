@@ -24,13 +24,13 @@ from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
 
 import gemma_jax as gj
 from gemma_jax import decoder
-from gemma_jax import gemma4_images
-from gemma_jax import hf_gemma4_vision
-from gemma_jax import safetensors_io
-from gemma_jax.models import gemma4_vision
+from gemma_jax.models.gemma4 import images as gemma4_images
+from gemma_jax.checkpoints import gemma4_tower
+from gemma_jax.checkpoints import safetensors_io
+from gemma_jax.models.gemma4 import vision as gemma4_vision
 from test_vision import generated_image, image_cases
 
-LAYOUT = hf_gemma4_vision.LAYOUT
+LAYOUT = gemma4_tower.LAYOUT
 TEXT_WIDTH = 48
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=2, head_dim=16, patch_size=4, pooling_kernel_size=2,
@@ -217,10 +217,10 @@ def test_default_tower_is_transformers_default():
   """The gemma4-e2b-vision preset's tower is transformers' Gemma4VisionConfig(), its ids
   Gemma4Config()'s."""
   preset = gj.get_config("gemma4-e2b-vision").model.vision
-  ours = hf_gemma4_vision.config_from_hf(transformers.Gemma4Config(
+  ours = gemma4_tower.config_from_hf(transformers.Gemma4Config(
       vision_config=transformers.Gemma4VisionConfig().to_dict(), audio_config=None).to_dict(),
                                          ACTIVATIONS)
-  assert ours == {k: preset[k] for k in hf_gemma4_vision.FIELDS}
+  assert ours == {k: preset[k] for k in gemma4_tower.FIELDS}
 
 
 # ----------------------------------------------------------------------------- mapping
@@ -281,12 +281,12 @@ def test_config_round_trips_through_transformers():
   assert {k: config[k] for k in IDS} == IDS
   config.update(rope_base=123.0, layer_norm_eps=1e-5, boi_token_id=280, eoi_token_id=281,
                 image_token_id=282)
-  hf = hf_gemma4_vision.config_to_hf(config, {v: k for k, v in ACTIVATIONS.items()})
+  hf = gemma4_tower.config_to_hf(config, {v: k for k, v in ACTIVATIONS.items()})
   # pad_token_id is the text config's: hf.config_to_hf writes it there.
   rebuilt = transformers.Gemma4Config(
       **hf, text_config=dict(pad_token_id=config.pad_token_id), audio_config=None).to_dict()
-  assert hf_gemma4_vision.config_from_hf(rebuilt, ACTIVATIONS) == {
-      k: config[k] for k in hf_gemma4_vision.FIELDS}
+  assert gemma4_tower.config_from_hf(rebuilt, ACTIVATIONS) == {
+      k: config[k] for k in gemma4_tower.FIELDS}
 
 
 def checkpoint_with(tensors, path):

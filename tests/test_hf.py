@@ -14,7 +14,8 @@ import transformers
 from safetensors import torch as st_torch
 
 import gemma_jax as gj
-from gemma_jax import safetensors_io, sharded_read, sharding
+from gemma_jax import sharding
+from gemma_jax.checkpoints import safetensors_io, sharded_read
 from gemma_jax.decoder import layer_types
 from gemma_jax.layers import chunked_loss
 import test_gemma4

@@ -1,4 +1,4 @@
-"""peft interop (gemma_jax.hf_peft): our adapters run by transformers + peft give our
+"""peft interop (gemma_jax.peft_adapters): our adapters run by transformers + peft give our
 logits, peft's adapters run by us give peft's, and what cannot be mapped is refused."""
 
 import json
@@ -13,7 +13,8 @@ import torch
 import transformers
 
 import gemma_jax as gj
-from gemma_jax import hf_peft, lora, safetensors_io
+from gemma_jax import lora
+from gemma_jax.checkpoints import peft_adapters, safetensors_io
 from gemma_jax.hf import CheckpointError
 import torch_reference
 
@@ -55,7 +56,7 @@ def test_saved_adapters_run_in_peft_as_ours(tmp_path, preset, model, targets):
   """A random gemma_jax model (norm scales too) with random nonzero adapters on the
   default targets (of a mixture of experts: its dense MLP), or on every linear module as
   peft's "all-linear" adapts them (the per-layer inputs' projection, outside the layers,
-  included): hf.save + hf_peft.save, read by AutoModelForCausalLM + PeftModel in float32,
+  included): hf.save + peft_adapters.save, read by AutoModelForCausalLM + PeftModel in float32,
   give our logits; peft's own save_pretrained of them writes our tensor names and values."""
   config = our_config(preset, model)
   if targets:
@@ -67,9 +68,9 @@ def test_saved_adapters_run_in_peft_as_ours(tmp_path, preset, model, targets):
                        if path[-1].key == "scale" else x), base)
   adapters = random_leaves(adapters, seed=1, scale=0.3)
   gj.hf.save(str(tmp_path / "base"), lora.disabled(config), base)
-  hf_peft.save(str(tmp_path / "adapter"), config, adapters, base_model_name_or_path="base")
+  peft_adapters.save(str(tmp_path / "adapter"), config, adapters, base_model_name_or_path="base")
 
-  saved = json.loads((tmp_path / "adapter" / hf_peft.CONFIG_FILE).read_text())
+  saved = json.loads((tmp_path / "adapter" / peft_adapters.CONFIG_FILE).read_text())
   if preset == "gemma3-tiny":
     assert saved["target_modules"] == sorted(PROJECTIONS)
   else:   # the global layer 3 takes keys as values: no v_proj there, so exact names
@@ -93,8 +94,8 @@ def test_saved_adapters_run_in_peft_as_ours(tmp_path, preset, model, targets):
   assert gap <= 1e-4
 
   reference.save_pretrained(str(tmp_path / "resaved"))
-  ours_written = safetensors_io.read(str(tmp_path / "adapter" / hf_peft.WEIGHTS_FILE))
-  peft_written = safetensors_io.read(str(tmp_path / "resaved" / hf_peft.WEIGHTS_FILE))
+  ours_written = safetensors_io.read(str(tmp_path / "adapter" / peft_adapters.WEIGHTS_FILE))
+  peft_written = safetensors_io.read(str(tmp_path / "resaved" / peft_adapters.WEIGHTS_FILE))
   assert sorted(ours_written) == sorted(peft_written)
   assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in peft_written
   for name, value in peft_written.items():
@@ -132,7 +133,7 @@ def test_peft_adapters_load_and_give_peft_logits(peft_directory, scan_layers):
   base_dir, adapter_dir, tuned = peft_directory
   config, base = gj.hf.load(base_dir, scan_layers=scan_layers)
   config.lora.rank, config.lora.alpha = RANK, ALPHA
-  adapters = hf_peft.load(adapter_dir, config)
+  adapters = peft_adapters.load(adapter_dir, config)
   tokens = torch_reference.token_batch(128)
   ours = np.asarray(gj.transform(config).apply(lora.combine(base, adapters), tokens))
   theirs = peft_logits(tuned, tokens)
@@ -150,7 +151,7 @@ def _edited_copy(src, dst, **changes):
       data = f.read()
     with open(os.path.join(dst, name), "wb") as f:
       f.write(data)
-  file = os.path.join(dst, hf_peft.CONFIG_FILE)
+  file = os.path.join(dst, peft_adapters.CONFIG_FILE)
   with open(file) as f:
     adapter_config = json.load(f)
   adapter_config.update(changes)
@@ -185,20 +186,20 @@ def test_load_refuses_what_does_not_fit(peft_directory, tmp_path, changes, lora_
   base_dir, adapter_dir, _ = peft_directory
   directory = _edited_copy(adapter_dir, str(tmp_path / "edited"), **changes)
   if edit:
-    file = os.path.join(directory, hf_peft.WEIGHTS_FILE)
+    file = os.path.join(directory, peft_adapters.WEIGHTS_FILE)
     safetensors_io.write(file, edit(safetensors_io.read(file)))
   config = gj.hf.load_config(base_dir)
   config.lora.rank, config.lora.alpha = RANK, ALPHA
   config.lora.update(lora_fields)
   with pytest.raises(CheckpointError, match=message):
-    hf_peft.load(directory, config)
+    peft_adapters.load(directory, config)
 
 
 def test_gpt2_is_refused(tmp_path):
   config = gj.get_config("gpt3-52k")
   config.lora.rank = RANK
   with pytest.raises(CheckpointError, match=r"config\.model\.block_type.*'gpt3'"):
-    hf_peft.save(str(tmp_path), config, lora.init_adapters(config, jax.random.key(0)))
+    peft_adapters.save(str(tmp_path), config, lora.init_adapters(config, jax.random.key(0)))
 
 
 def test_a_failed_save_leaves_the_earlier_export_whole(tmp_path, monkeypatch):
@@ -208,7 +209,7 @@ def test_a_failed_save_leaves_the_earlier_export_whole(tmp_path, monkeypatch):
   config = our_config("gemma3-tiny", GEMMA3)
   adapters = lora.init_adapters(config, jax.random.key(0))
   out = tmp_path / "peft"
-  hf_peft.save(str(out), config, random_leaves(adapters, 0, 0.1))
+  peft_adapters.save(str(out), config, random_leaves(adapters, 0, 0.1))
   before = {name: (out / name).read_bytes() for name in os.listdir(out)}
 
   def full_disk(*args, **kwargs):
@@ -216,6 +217,6 @@ def test_a_failed_save_leaves_the_earlier_export_whole(tmp_path, monkeypatch):
 
   monkeypatch.setattr(json, "dump", full_disk)
   with pytest.raises(OSError, match="No space left"):
-    hf_peft.save(str(out), config, random_leaves(adapters, 1, 0.1))
+    peft_adapters.save(str(out), config, random_leaves(adapters, 1, 0.1))
   assert {name: (out / name).read_bytes() for name in os.listdir(out)} == before
   assert os.listdir(tmp_path) == ["peft"]

@@ -19,7 +19,9 @@ import transformers
 from safetensors import torch as st_torch
 
 import gemma_jax as gj
-from gemma_jax import gemma4_images, hf_gpt2, image_inputs, safetensors_io
+from gemma_jax.models.gemma3 import images as image_inputs
+from gemma_jax.models.gemma4 import images as gemma4_images
+from gemma_jax.checkpoints import gpt2, safetensors_io
 
 # Two local layers; a vocabulary above sample.top_k's default, so the config validates.
 TINY = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2,
@@ -170,7 +172,7 @@ def _edited(hf_config, edit):
         "gpt2_layers", "gpt2_activation"])
 def test_every_family_names_the_field_of_the_wrong_kind(tmp_path, preset, edit, message):
   config = gj.get_config(preset)
-  to_hf = hf_gpt2.config_to_hf if config.model.block_type == "gpt3" else gj.hf.config_to_hf
+  to_hf = gpt2.config_to_hf if config.model.block_type == "gpt3" else gj.hf.config_to_hf
   path = _config_dir(tmp_path, _edited(json.loads(json.dumps(to_hf(config))), edit))
   assert load_error(path) == f"{path}/config.json: {message}"
 

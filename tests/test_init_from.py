@@ -17,8 +17,9 @@ import transformers
 
 import gemma_jax as gj
 from gemma_jax import sharding
-from gemma_jax import workdir as workdir_lib
-from gemma_jax.training import checkpoints, data, init_from, loop, tokenizers
+from gemma_jax.training import workdir as workdir_lib
+from gemma_jax.training import checkpoints, data, init_from, loop
+from gemma_jax.text import tokenizers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF_SHAPE = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_attention_heads=2,
@@ -90,7 +91,7 @@ def test_a_config_file_edited_with_a_wrong_type_is_one_error(tmp_path, edit, mes
 
 _HOLD = """
 import sys, time
-from gemma_jax import workdir
+from gemma_jax.training import workdir
 with workdir.lock(sys.argv[1]):
   print("held", flush=True)
   time.sleep(60)
@@ -323,7 +324,7 @@ def test_load_model_names_a_directory_given_as_the_other_kind(hf_checkpoint, tmp
   with pytest.raises(workdir_lib.WorkdirError, match=re.escape(
       f"{tmp_path} is a training workdir, not a transformers directory: load it as "
       "workdir=")):
-    workdir_lib.load_model(hf_dir=str(tmp_path))
+    init_from.load_model(hf_dir=str(tmp_path))
   with pytest.raises(workdir_lib.WorkdirError, match=re.escape(
       f"{path} is no training workdir (a transformers directory?): load it as hf_dir=")):
-    workdir_lib.load_model(workdir=path)
+    init_from.load_model(workdir=path)

@@ -1,4 +1,4 @@
-"""int8 KV caches (gemma_jax.quant.kv_cache): the per-token, per-head rule against float64
+"""int8 KV caches (gemma_jax.layers.kv_cache): the per-token, per-head rule against float64
 numpy, decoding against a full forward with the same rounding, greedy decoding of a
 trained model against float caches, planned bytes, and bad cache dtypes."""
 
@@ -12,8 +12,9 @@ import gemma_jax as gj
 from gemma_jax import decoder, planning
 from gemma_jax.inference import chat_session, decoding, sampler
 from gemma_jax.layers import attention
-from gemma_jax.quant import kv_cache
-from gemma_jax.training import data, optimizer, steps, tokenizers
+from gemma_jax.layers import kv_cache
+from gemma_jax.training import data, optimizer, steps
+from gemma_jax.text import tokenizers
 from test_decoding import WINDOW, decode_along, random_params, tiny
 
 

@@ -15,7 +15,9 @@ import numpy as np
 from absl.testing import parameterized
 
 import gemma_jax as gj
+from gemma_jax import config as config_lib
 from gemma_jax.layers import attention as attention_lib
+from gemma_jax.layers import mlp
 from gemma_jax.layers import norms
 from gemma_jax.layers import rms_norm_gradient
 from gemma_jax.layers.mlp import GatedMlp
@@ -588,3 +590,16 @@ class MlpTest(chex.TestCase):
       jax.ad_checkpoint.print_saved_residuals(loss, params, x)
     kept = printed.getvalue().splitlines()
     self.assertLen([line for line in kept if line.startswith("f32[2,3,16] ")], 2, kept)
+
+
+def test_every_activation_the_schema_names_is_computed_as_its_definition():
+  """config.ACTIVATIONS (the names a config may give) and layers.mlp's functions are one
+  list, each against its float64 definition."""
+  x = np.linspace(-6.0, 6.0, 1001)
+  gelu_tanh = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+  expected = {"gelu_tanh": gelu_tanh, "gelu": 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2))),
+              "silu": x / (1 + np.exp(-x)), "relu": np.maximum(x, 0.0)}
+  assert set(config_lib.ACTIVATIONS) == set(mlp.ACTIVATIONS) == set(expected)
+  for name, want in expected.items():
+    got = np.asarray(mlp.ACTIVATIONS[name](jnp.asarray(x, jnp.float32)), np.float64)
+    np.testing.assert_allclose(got, want, atol=2e-6, err_msg=name)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import gemma_jax as gj
-from gemma_jax import lora, modules, planning, sharding
+from gemma_jax import lora, planning, sharding, transformer
 from gemma_jax.decoder import unstack_layers
 from gemma_jax.layers.linear import Linear
 
@@ -60,7 +60,7 @@ def test_projection_matches_float64_reference():
   t = tokens()
   positions = jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape)
   with nn.intercept_methods(record):   # outside the adapters' interceptor: sees their sum
-    modules.decoder(config).apply({"params": params}, t, positions, jnp.ones_like(t))
+    transformer.decoder_module(config).apply({"params": params}, t, positions, jnp.ones_like(t))
   scale = ALPHA / RANK
   for name, in_dims in (("q", 1), ("out", 2)):
     x, y = calls[f"layers_0/attn/{name}"]

@@ -14,7 +14,7 @@ import pytest
 from absl.testing import parameterized
 
 import gemma_jax as gj
-from gemma_jax import decoder, modules, remat
+from gemma_jax import decoder, remat, transformer
 from gemma_jax.layers import attention, norms
 from gemma_jax.layers.attention import CausalBlocks, CausalMask, LocalBlocks
 from gemma_jax.transformer import positions_from_segments
@@ -296,14 +296,15 @@ def test_layers_of_one_kind_are_traced_once():
   toks = tokens()
   params = gj.transform(config).init(jax.random.key(0), toks)
   positions = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
-  apply = lambda p: modules.decoder(config).apply(p, toks, positions, jnp.ones_like(toks))
+  module = transformer.decoder_module(config)
+  apply = lambda p: module.apply(p, toks, positions, jnp.ones_like(toks))
   calls = _layer_calls(apply, {"params": params})
   assert len(calls) == 8 and len({id(c) for c in calls}) == 2
   with nn.intercept_methods(lambda fun, args, kwargs, context: fun(*args, **kwargs)):
     assert _layer_calls(apply, {"params": params}) == []
     want = jax.jit(lambda p: apply(p))({"params": params})
   np.testing.assert_array_equal(jax.jit(lambda p: apply(p))({"params": params}), want)
-  _, state = modules.decoder(config).apply(
+  _, state = transformer.decoder_module(config).apply(
       {"params": params}, toks, positions, jnp.ones_like(toks),
       capture_intermediates=lambda module, method: module.name == "layers_3")
   assert list(state["intermediates"]) == ["layers_3"]   # a path-dependent capture too

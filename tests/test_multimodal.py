@@ -15,8 +15,8 @@ import transformers
 
 import gemma_jax as gj
 from gemma_jax import decoder
-from gemma_jax import gemma4_images
-from gemma_jax.models import vision
+from gemma_jax.models.gemma4 import images as gemma4_images
+from gemma_jax.models.gemma3 import vision
 from gemma_jax.training import steps
 
 VOCAB, BOI, EOI, IMAGE = 300, 290, 291, 292

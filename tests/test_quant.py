@@ -21,7 +21,7 @@ from ml_collections import config_dict
 
 import gemma_jax as gj
 from gemma_jax import apps, lora, quant, sharding
-from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import workdir as workdir_lib
 from gemma_jax.decoder import unstack_layers
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.layers import expert_dispatch
@@ -329,8 +329,8 @@ def test_an_app_refuses_to_run_integer_weights_as_floats(tiny, monkeypatch):
   """--quant=none on a QLoRA workdir, whose base holds integers."""
   config, params, _ = tiny
   qconfig, qparams = quant.quantize(config, params, "int4_weights")
-  monkeypatch.setattr(workdir_lib, "load_model",
-                      lambda **_: workdir_lib.Loaded(qconfig, qparams, None))
+  monkeypatch.setattr(init_from, "load_model",
+                      lambda **_: init_from.Loaded(qconfig, qparams, None))
   holder = lambda value: types.SimpleNamespace(value=value)
   model_flags = apps.ModelFlags(holder("runs/q"), holder(None), holder(None), holder("none"))
   with pytest.raises(gj.ConfigError, match=r"runs/q holds int4_weights integer weights \(a "

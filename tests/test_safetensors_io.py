@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors import torch as st_torch
 
-from gemma_jax import safetensors_io
+from gemma_jax.checkpoints import safetensors_io
 
 
 def _raw_file(path, header, data=b""):

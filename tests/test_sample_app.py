@@ -15,9 +15,11 @@ import torch
 from PIL import Image
 
 import gemma_jax as gj
-from gemma_jax import workdir as workdir_lib
-from gemma_jax import gemma4_images, image_inputs
-from gemma_jax.training import checkpoints, optimizer, steps, tokenizers
+from gemma_jax.training import workdir as workdir_lib
+from gemma_jax.models.gemma3 import images as image_inputs
+from gemma_jax.models.gemma4 import images as gemma4_images
+from gemma_jax.training import checkpoints, optimizer, steps
+from gemma_jax.text import tokenizers
 from test_hf import random_model
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)

@@ -11,7 +11,7 @@ import torch
 
 import gemma_jax as gj
 from gemma_jax.inference import decoding, sampler, sampling
-from gemma_jax.training import tokenizers
+from gemma_jax.text import tokenizers
 from test_hf import VOCAB, random_model
 
 NEW = 8

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gemma_jax import sharded_read
+from gemma_jax.checkpoints import sharded_read
 
 
 def test_layer_stack_indexes_like_the_stacked_array(tmp_path):

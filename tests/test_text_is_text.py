@@ -22,11 +22,12 @@ import sentencepiece
 import transformers
 
 import gemma_jax as gj
-from gemma_jax import chat
+from gemma_jax.text import chat
 from gemma_jax import transformer
 from gemma_jax.inference import sampler as sampler_lib
 from gemma_jax.inference.chat_session import ChatSession
-from gemma_jax.training import data, loop, tokenizers
+from gemma_jax.training import data, loop
+from gemma_jax.text import tokenizers
 from test_chat import GEMMA3_TEMPLATE
 from test_chat_session import chatty_params, small
 from test_decoding import random_params

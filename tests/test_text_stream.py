@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import sentencepiece
 
-from gemma_jax.inference.text_stream import TextStream
-from gemma_jax.training import tokenizers
+from gemma_jax.text.text_stream import TextStream
+from gemma_jax.text import tokenizers
 from test_tokenizers import TEXTS, train_bpe_json, train_sentencepiece
 
 

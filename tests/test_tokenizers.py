@@ -11,8 +11,8 @@ import tokenizers as hf_tokenizers
 import transformers
 
 import gemma_jax as gj
-from gemma_jax import chat
-from gemma_jax.training import tokenizers
+from gemma_jax.text import chat
+from gemma_jax.text import tokenizers
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld ✓ 👋🏽 日本語", "tabs\tand  spaces \r\n",
          "\x00\x7f\xff"]

@@ -22,9 +22,10 @@ import pytest
 
 import gemma_jax as gj
 from gemma_jax import transformer
-from gemma_jax import workdir as workdir_lib
-from gemma_jax.training import (checkpoints, data, flops, loop, loss, metrics, optimizer, steps,
-                                tokenizers)
+from gemma_jax.layers import loss
+from gemma_jax.text import tokenizers
+from gemma_jax.training import (checkpoints, data, flops, loop, metrics, optimizer, steps,
+                                workdir as workdir_lib)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = dict(vocab_size=262, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,

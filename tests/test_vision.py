@@ -24,17 +24,17 @@ from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
 import gemma_jax as gj
 from gemma_jax import decoder
-from gemma_jax import gemma4_images
-from gemma_jax import hf_vision
-from gemma_jax import image_inputs
+from gemma_jax.models.gemma4 import images as gemma4_images
+from gemma_jax.checkpoints import gemma3_tower
+from gemma_jax.models.gemma3 import images as image_inputs
 from gemma_jax import remat
-from gemma_jax import safetensors_io
+from gemma_jax.checkpoints import safetensors_io
 from gemma_jax.config import ConfigError, vision_config
 from gemma_jax.inference import sampler
 from gemma_jax.layers.attention import Attention
 from gemma_jax.models import towers
-from gemma_jax.training import tokenizers
-from gemma_jax.models import vision
+from gemma_jax.text import tokenizers
+from gemma_jax.models.gemma3 import vision
 
 TEXT_WIDTH = 48
 VISION = dict(image_size=56, patch_size=14, width=32, num_layers=3, num_heads=4, mlp_dim=40,
@@ -94,16 +94,17 @@ def our_params(scan=True):
 
 def by_canonical_name(state):
   """{any transformers layout name: tensor} -> {canonical name: numpy array} (vision only)."""
-  return {hf_vision.LAYOUT.canonical_name(k): np.asarray(v) for k, v in state.items()
-          if hf_vision.LAYOUT.canonical_name(k)}
+  return {gemma3_tower.LAYOUT.canonical_name(k): np.asarray(v) for k, v in state.items()
+          if gemma3_tower.LAYOUT.canonical_name(k)}
 
 
 def ours_by_canonical_name(params):
   """Our scanned tower parameters (or their gradients) -> {canonical name: numpy array},
   as hf.save writes them."""
   unrolled = decoder.unstack_layers({"vision": params}, loaded()[0].model)["vision"]
-  return by_canonical_name(dict(hf_vision.LAYOUT.to_hf(np.asarray(value), path) for path, value in
-                                flax.traverse_util.flatten_dict(unrolled).items()))
+  flat = flax.traverse_util.flatten_dict(unrolled)
+  return by_canonical_name(dict(gemma3_tower.LAYOUT.to_hf(np.asarray(value), path)
+                                for path, value in flat.items()))
 
 
 class VisionTowerTest(chex.TestCase):
@@ -281,7 +282,7 @@ def test_load_and_save_map_every_layout(layout, tmp_path):
     gj.hf.save(str(tmp_path / "out"), config, params)
     saved = safetensors_io.read(str(tmp_path / "out" / "model.safetensors"))
     # Written in the published layout, whatever was read.
-    assert {k for k in saved if hf_vision.LAYOUT.canonical_name(k)} == published
+    assert {k for k in saved if gemma3_tower.LAYOUT.canonical_name(k)} == published
     got = by_canonical_name(saved)
     assert set(got) == set(expected)
     for name, value in got.items():
@@ -505,9 +506,9 @@ def test_placeholders_match_gemma3_processor(prompt):
 @pytest.mark.parametrize("prompt", [p for p in PROMPTS if "<start_of_image>" in p])
 def test_sampler_prompts_match_gemma3_processor(tmp_path, prompt):
   """What `Sampler.sample(prompts, images=...)` builds (our tokenizer's ids with each
-  marker's id, then `towers.prompts_with_images` with its encode) equals the processor's ids, newline runs
-  next to a marker merged (the chat template's "user\\n<start_of_image>": the runs had
-  stayed two tokens)."""
+  marker's id, then `towers.prompts_with_images` with its encode) equals the processor's
+  ids, newline runs next to a marker merged (the chat template's
+  "user\\n<start_of_image>": the runs had stayed two tokens)."""
   processor = tiny_processor()
   tok = processor.tokenizer
   tok.save_pretrained(str(tmp_path))

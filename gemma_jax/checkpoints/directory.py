@@ -110,7 +110,8 @@ def check_destination(path: str, kind: str, source: Optional[str] = None,
                           f"would mix with: export to a directory of its own, or "
                           f"{_OVERWRITE}")
   if marker["source"] != source:
-    raise CheckpointError(f"{path}: holds the export of {marker['source'] or 'a model saved by hf.save'}, "
+    owner = marker["source"] or "a model saved by hf.save"
+    raise CheckpointError(f"{path}: holds the export of {owner}, "
                           f"not of {source or 'this model'}: export to a directory of its "
                           f"own, or {_OVERWRITE}")
   foreign = [n for n in names if n != MARKER and n not in marker["files"]]

@@ -11,7 +11,7 @@ tokens sit at positions 0, 1, ... and every row decodes at its own position. Eac
 keeps its keys and values in a ring of S slots, a token at position p in slot p % S:
 S = cache_length on global layers, min(sliding_window, cache_length) on local ones,
 so 5 layers in 6 hold a window, not the context; `cache_dtype="int8"` stores them as
-int8 with a scale per token and head (`gemma_jax.quant.kv_cache`). The masks come from
+int8 with a scale per token and head (`gemma_jax.layers.kv_cache`). The masks come from
 the positions each slot holds (-1: empty), so no query sees padding, an empty slot, or
 a key outside its window.
 
@@ -30,8 +30,7 @@ them back for its grouped products.
 Dims: B batch, P prompt length, S cache slots, K key/value heads, H head dim, V vocab.
 """
 
-import functools
-from typing import Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +38,14 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
-from gemma_jax import modules
+from gemma_jax import transformer
 from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
 from gemma_jax.inference import decode_jit
 from gemma_jax.layers import moe
 from gemma_jax.layers.attention import Decode, Extend, Prefill, attention_mask
-from gemma_jax.models import towers, vision
-from gemma_jax.quant import kv_cache
+from gemma_jax.models import towers
+from gemma_jax.models.gemma3 import vision
+from gemma_jax.layers import kv_cache
 from gemma_jax.transformer import _check_positions, _check_tokens
 
 
@@ -54,28 +54,13 @@ class Cache(NamedTuple):
 
   layers: the layers' "cache" collection, the unrolled parameter tree's layout with "k"
     and "v" [B, S, K, H] under each layer's attention (`layers_{i}`); int8 ones with
-    their scales "k_scale", "v_scale" [B, S, K] float32 (`gemma_jax.quant.kv_cache`).
+    their scales "k_scale", "v_scale" [B, S, K] float32 (`gemma_jax.layers.kv_cache`).
   positions: {attention type: [B, S] int32}, the position each slot holds, -1 if none.
   next_position: [B] int32, the position of each row's next token.
   """
   layers: dict
   positions: dict
   next_position: jax.Array
-
-
-class Decoding(NamedTuple):
-  """prefill(params, tokens, lengths, *, cache_length, cache_dtype) -> (logits, cache);
-  decode_step(params, tokens, cache) -> (logits, cache); extend(params, tokens, cache,
-  lengths) -> (logits, cache); unrolled(params) -> the parameters with one entry per
-  layer (a copy of a scanned tree; an unrolled one is returned as it is), on the CPU
-  with each MoE layer's experts split (`moe.split_experts`); fill(params, tokens,
-  lengths, *, cache_length, cache_dtype) -> (last tokens, cache), a prefill but its
-  decode step. All jitted."""
-  prefill: Callable
-  decode_step: Callable
-  extend: Callable
-  unrolled: Callable
-  fill: Callable
 
 
 # Tokens `extend` computes per pass: its logits are at most [B, N, 512, S + 512].
@@ -144,29 +129,44 @@ def _check_text(tokens, model: config_dict.ConfigDict, method: str) -> None:
                      "with images goes in through prefill(..., images=...)")
 
 
-def make_decoding(config: config_dict.ConfigDict) -> Decoding:
-  """Validates `config` and returns its jitted `prefill` and `decode_step`."""
-  config_lib.validate(config)
-  model = config_dict.FrozenConfigDict(config.model)
-  unrolled_config = config_dict.ConfigDict(config.to_dict())
-  unrolled_config.model.scan_layers = False
-  module = modules.decoder(unrolled_config)
+class Decoding:
+  """A config's decoding programs, all jitted: `prefill(params, tokens, lengths, *,
+  cache_length, cache_dtype) -> (logits, cache)`, `decode_step(params, tokens, cache) ->
+  (logits, cache)`, `extend(params, tokens, cache, lengths) -> (logits, cache)`,
+  `unrolled(params)` -> the parameters with one entry per layer (a copy of a scanned
+  tree; an unrolled one is returned as it is), on the CPU with each MoE layer's experts
+  split (`moe.split_experts`), and `fill(params, tokens, lengths, *, cache_length,
+  cache_dtype) -> (last tokens, cache)`, a prefill but its decode step. Equal only to
+  itself: jitted code that takes it as a static argument compiles once per instance."""
 
-  split = model.num_experts and model.quant == "none" and jax.default_backend() == "cpu"
+  def __init__(self, config: config_dict.ConfigDict):
+    config_lib.validate(config)
+    self.config = config
+    self.model = config_dict.FrozenConfigDict(config.model)
+    unrolled_config = config_dict.ConfigDict(config.to_dict())
+    unrolled_config.model.scan_layers = False
+    self._module = transformer.decoder_module(unrolled_config)
+    self._split_experts = (self.model.num_experts and self.model.quant == "none"
+                           and jax.default_backend() == "cpu")
+    self.unrolled = jax.jit(self._unrolled)
+    self._step = decode_jit.jit(self._decode, donate_argnames="cache")
+    self._fill = decode_jit.jit(self._fill_caches,
+                                static_argnames=("cache_length", "cache_dtype"))
+    self._extend = decode_jit.jit(self._extend_but_last, donate_argnames="cache")
 
-  def unrolled(params: dict) -> dict:
-    params = unstack_layers(params, model)
-    return moe.split_experts(params) if split else params
+  def _unrolled(self, params: dict) -> dict:
+    params = unstack_layers(params, self.model)
+    return moe.split_experts(params) if self._split_experts else params
 
-  def run(params, layers, tokens, positions, segment_ids, masks, images=None):
+  def _run(self, params, layers, tokens, positions, segment_ids, masks, images=None):
     """The decoder with cache accesses `masks`: (logits, the "cache" collection after)."""
-    params = unrolled(params)
+    params = self._unrolled(params)
     variables = {"params": params} if layers is None else {"params": params, "cache": layers}
-    logits, state = module.apply(variables, tokens, positions, segment_ids, masks=masks,
-                                 images=images, mutable=["cache"])
+    logits, state = self._module.apply(variables, tokens, positions, segment_ids,
+                                       masks=masks, images=images, mutable=["cache"])
     return logits, state["cache"]
 
-  def step(params, tokens: jax.Array, cache: Cache):
+  def _decode(self, params, tokens: jax.Array, cache: Cache):
     """tokens [B] at each row's next position -> (logits [B, V], cache)."""
     position = cache.next_position
     rows = jnp.arange(tokens.shape[0])
@@ -175,16 +175,14 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
       slot = position % ring.shape[1]
       positions[kind] = ring.at[rows, slot].set(position)
       mask = attention_mask(position[:, None], positions[kind], jnp.ones_like(tokens[:, None]),
-                            (positions[kind] >= 0).astype(jnp.int32), window=_window(model, kind))
+                            (positions[kind] >= 0).astype(jnp.int32),
+                            window=_window(self.model, kind))
       masks[kind] = Decode(mask, slot[:, None])
-    logits, layers = run(params, cache.layers, tokens[:, None], position[:, None],
-                         jnp.ones_like(tokens[:, None]), masks)
+    logits, layers = self._run(params, cache.layers, tokens[:, None], position[:, None],
+                               jnp.ones_like(tokens[:, None]), masks)
     return logits[:, 0], Cache(layers, positions, position + 1)
 
-  _step = decode_jit.jit(step, donate_argnames="cache")
-
-  @functools.partial(decode_jit.jit, static_argnames=("cache_length", "cache_dtype"))
-  def _fill(params, tokens, lengths, images, cache_length, cache_dtype):
+  def _fill_caches(self, params, tokens, lengths, images, cache_length, cache_dtype):
     # All but each row's last token fill the caches (their logits are never computed, so
     # XLA drops the last layer's attention output and MLP); the last one is left to a
     # decode step, whose logits are the prefill's. Image spans are bidirectional in the
@@ -194,19 +192,19 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     filled = lengths - 1
     index = jnp.broadcast_to(jnp.arange(chunk.shape[1]), chunk.shape)
     segment_ids = (index < filled[:, None]).astype(jnp.int32)
-    spans = (vision.image_span_ids(chunk, model.vision.image_token_id) * segment_ids
+    spans = (vision.image_span_ids(chunk, self.model.vision.image_token_id) * segment_ids
              if images is not None else None)
-    prompt_masks = layer_masks(model, segment_ids, spans, blocked=True)
+    prompt_masks = layer_masks(self.model, segment_ids, spans, blocked=True)
     positions, masks = {}, {}
-    for kind, size in ring_sizes(model, cache_length).items():
+    for kind, size in ring_sizes(self.model, cache_length).items():
       sources, positions[kind] = _ring_sources(filled, size)
       masks[kind] = Prefill(prompt_masks[kind], sources)
-    _, layers = run(params, None, chunk, index, segment_ids, masks, images)
+    _, layers = self._run(params, None, chunk, index, segment_ids, masks, images)
     layers = kv_cache.store(layers, cache_dtype)
     last = jnp.take_along_axis(tokens, filled[:, None], axis=1)[:, 0]
     return last, Cache(layers, positions, filled)
 
-  def fill(params: dict, tokens: jax.Array, lengths: Optional[jax.Array] = None, *,
+  def fill(self, params: dict, tokens: jax.Array, lengths: Optional[jax.Array] = None, *,
            cache_length: int, cache_dtype: Union[str, jnp.dtype, None] = None,
            images: Optional[jax.Array] = None):
     """Fills the caches with all but each row's last prompt token: (those last tokens [B]
@@ -215,15 +213,15 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     `prefill`."""
     if lengths is None:
       lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
-    check_prompts(tokens, lengths, cache_length, model.vocab_size)
-    if model.trainable_position_size and cache_length > model.trainable_position_size:
+    check_prompts(tokens, lengths, cache_length, self.model.vocab_size)
+    if self.model.trainable_position_size and cache_length > self.model.trainable_position_size:
       raise ValueError(f"cache_length={cache_length} exceeds the model's "
-                       f"trainable_position_size={model.trainable_position_size}")
-    dtype = kv_cache.check_dtype(cache_dtype or default_cache_dtype(config))
-    towers.check_image_inputs(tokens, images, model)
-    return _fill(params, tokens, jnp.asarray(lengths, jnp.int32), images, cache_length, dtype)
+                       f"trainable_position_size={self.model.trainable_position_size}")
+    dtype = kv_cache.check_dtype(cache_dtype or default_cache_dtype(self.config))
+    towers.check_image_inputs(tokens, images, self.model)
+    return self._fill(params, tokens, jnp.asarray(lengths, jnp.int32), images, cache_length, dtype)
 
-  def prefill(params: dict, tokens: jax.Array, lengths: Optional[jax.Array] = None, *,
+  def prefill(self, params: dict, tokens: jax.Array, lengths: Optional[jax.Array] = None, *,
               cache_length: int, cache_dtype: Union[str, jnp.dtype, None] = None,
               images: Optional[jax.Array] = None):
     """Fills the caches with prompts: (logits [B, V] float32 after each row's last prompt
@@ -238,14 +236,14 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
         global layers forget their oldest keys.
       cache_dtype: dtype of the cached keys and values, one of `kv_cache.CACHE_DTYPES`:
         float32, bfloat16, float16, or int8 (a float32 scale per token and head beside
-        them, see `gemma_jax.quant.kv_cache`); default `default_cache_dtype`.
+        them, see `gemma_jax.layers.kv_cache`); default `default_cache_dtype`.
       images: the images of the prompts' placeholder spans (a model with
         `vision.enabled`; see `Transformed.apply`).
     """
-    return _step(params, *fill(params, tokens, lengths, cache_length=cache_length,
-                               cache_dtype=cache_dtype, images=images))
+    return self._step(params, *self.fill(params, tokens, lengths, cache_length=cache_length,
+                                         cache_dtype=cache_dtype, images=images))
 
-  def decode_step(params: dict, tokens: jax.Array, cache: Cache):
+  def decode_step(self, params: dict, tokens: jax.Array, cache: Cache):
     """One token per row, tokens [B] int, at each row's next position: (logits [B, V]
     float32, the cache with it). The cache passed in is donated (do not reuse it).
     Under jit the positions are not checked against a learned position table (see
@@ -253,11 +251,11 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     if tokens.shape != cache.next_position.shape:
       raise ValueError(f"tokens must have shape [batch] = {cache.next_position.shape}, got "
                        f"{tokens.shape}")
-    _check_tokens(tokens[:, None], model.vocab_size)
-    _check_positions(cache.next_position, model.trainable_position_size, "cache.next_position")
-    return _step(params, tokens, cache)
+    _check_tokens(tokens[:, None], self.model.vocab_size)
+    _check_positions(cache.next_position, self.model.trainable_position_size, "cache.next_position")
+    return self._step(params, tokens, cache)
 
-  def chunk(params, tokens: jax.Array, counts: jax.Array, cache: Cache) -> Cache:
+  def _chunk(self, params, tokens: jax.Array, counts: jax.Array, cache: Cache) -> Cache:
     """tokens [B, T] at each row's next positions, of which each row's first `counts` [B]
     are its own and the rest padding, attending over the cache and each other in one call
     (`attention.Extend`) -> the cache with the real ones. A query sees what it would see
@@ -281,14 +279,14 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
                             window=size)
       masks[kind] = Extend(mask, slots)
       positions[kind] = ring.at[rows, slots].set(new, mode="drop")
-    _, layers = run(params, cache.layers, tokens, queries, jnp.ones_like(tokens), masks)
+    _, layers = self._run(params, cache.layers, tokens, queries, jnp.ones_like(tokens), masks)
     return Cache(layers, positions, cache.next_position + counts)
 
-  def _extend_but_last(params, tokens, lengths, cache):
+  def _extend_but_last(self, params, tokens, lengths, cache):
     # All but each row's last token go in as chunks of EXTEND_CHUNK (their logits are
     # never computed), a scan over the whole ones then the rest: (the last tokens [B],
     # the cache), the last left to a decode step as in `fill`.
-    params = unrolled(params)
+    params = self._unrolled(params)
     body, counts = tokens[:, :-1], lengths - 1
     whole = body.shape[1] // EXTEND_CHUNK * EXTEND_CHUNK
     if whole:
@@ -297,16 +295,14 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
 
       def piece_in(cache, piece_and_start):
         piece, start = piece_and_start
-        return chunk(params, piece, jnp.clip(counts - start, 0, EXTEND_CHUNK), cache), None
+        return self._chunk(params, piece, jnp.clip(counts - start, 0, EXTEND_CHUNK), cache), None
 
       cache, _ = jax.lax.scan(piece_in, cache, (pieces, starts))
     if body.shape[1] > whole:
-      cache = chunk(params, body[:, whole:], jnp.maximum(counts - whole, 0), cache)
+      cache = self._chunk(params, body[:, whole:], jnp.maximum(counts - whole, 0), cache)
     return jnp.take_along_axis(tokens, counts[:, None], axis=1)[:, 0], cache
 
-  _extend = decode_jit.jit(_extend_but_last, donate_argnames="cache")
-
-  def extend(params: dict, tokens: jax.Array, cache: Cache,
+  def extend(self, params: dict, tokens: jax.Array, cache: Cache,
              lengths: Optional[jax.Array] = None):
     """Continues every row's cached context with its tokens, tokens [B, C] int
     right-padded to `lengths` [B] real tokens a row (1..C; default C): (logits [B, V]
@@ -324,12 +320,15 @@ def make_decoding(config: config_dict.ConfigDict) -> Decoding:
     if lengths is None:
       lengths = jnp.full(tokens.shape[:1], tokens.shape[1], jnp.int32)
     check_lengths(tokens, lengths)
-    _check_tokens(tokens, model.vocab_size)
-    _check_text(tokens, model, "extend")
+    _check_tokens(tokens, self.model.vocab_size)
+    _check_text(tokens, self.model, "extend")
     _check_positions(cache.next_position + jnp.asarray(lengths) - 1,
-                     model.trainable_position_size, "cache.next_position + lengths - 1")
+                     self.model.trainable_position_size, "cache.next_position + lengths - 1")
     if tokens.shape[1] == 1:
-      return _step(params, tokens[:, 0], cache)
-    return _step(params, *_extend(params, tokens, jnp.asarray(lengths, jnp.int32), cache))
+      return self._step(params, tokens[:, 0], cache)
+    return self._step(params, *self._extend(params, tokens, jnp.asarray(lengths, jnp.int32), cache))
 
-  return Decoding(prefill, decode_step, extend, jax.jit(unrolled), fill)
+
+def make_decoding(config: config_dict.ConfigDict) -> Decoding:
+  """Validates `config` and returns its jitted decoding programs."""
+  return Decoding(config)

@@ -23,7 +23,7 @@ from gemma_jax.inference import decode_jit
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.inference import sampling
 from gemma_jax.models import towers
-from gemma_jax.quant import kv_cache
+from gemma_jax.layers import kv_cache
 
 
 # Per family, the name that places an image in a text prompt given with images, and the
@@ -114,11 +114,11 @@ class Samples(NamedTuple):
 
 class Sampler:
   """Text in, text out: config, params and a tokenizer (`encode`, `decode`, `bos_id`,
-  `stop_ids`, `pad_id`, e.g. `gemma_jax.training.tokenizers`).
+  `stop_ids`, `pad_id`, e.g. `gemma_jax.text.tokenizers`).
 
   A prompt is text, encoded as text: a control token's name typed in it
   ("<end_of_turn>", "<bos>") stays characters. A prompt that needs control tokens (a
-  chat prompt: `gemma_jax.chat.render(messages, tokenizer, add_generation_prompt=True)
+  chat prompt: `gemma_jax.text.chat.render(messages, tokenizer, add_generation_prompt=True)
   .ids`) is given as its token ids.
 
   Args:

@@ -16,7 +16,7 @@ layer's mask as `CausalMask` instead: the whole [B, T, T] mask with its structur
 Decoding replaces a layer's mask by a cache access (`Prefill`, `Decode` or `Extend`):
 the layer then keeps its keys and values in the "cache" variable collection, a ring of S
 slots ("k", "v": [B, S, K, H]; int8 ones with float32 scales "k_scale", "v_scale" [B, S,
-K], see `gemma_jax.quant.kv_cache`); which position each slot holds is the decoder's
+K], see `gemma_jax.layers.kv_cache`); which position each slot holds is the decoder's
 bookkeeping (`gemma_jax.inference.decoding`), shared by all layers of one attention type.
 """
 
@@ -30,6 +30,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from gemma_jax.layers import kv_cache
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.norms import RMSNorm
 from gemma_jax.layers.rope import apply_rope
@@ -459,7 +460,6 @@ class Attention(nn.Module):
     """The ring `name` [B, S, K, H] in the compute dtype (an int8 ring dequantized)."""
     ring = self.get_variable("cache", name)
     if ring.dtype == jnp.int8:
-      from gemma_jax.quant import kv_cache  # pylint: disable=import-outside-toplevel
       ring = kv_cache.dequantize(ring, self.get_variable("cache", kv_cache.scale_name(name)),
                                  self.dtype)
     return nn.with_logical_constraint(ring.astype(self.dtype),
@@ -469,13 +469,12 @@ class Attention(nn.Module):
     """Writes new [B, T, K, H] into the cache ring `name` [B, S, K, H] at slots [B, T] (a
     slot past the ring: not written); returns the ring in the compute dtype. An int8
     ring takes the rows quantized and their scales into its scale ring
-    (`gemma_jax.quant.kv_cache`)."""
+    (`gemma_jax.layers.kv_cache`)."""
     ring = self.get_variable("cache", name)
     chex.assert_shape(slots, new.shape[:2])
     rows = jnp.arange(new.shape[0])[:, None]
     if ring.dtype == jnp.int8:
       # Imported here: the gemma_jax.quant package imports the decoder, hence this module.
-      from gemma_jax.quant import kv_cache  # pylint: disable=import-outside-toplevel
       new, scale = kv_cache.quantize(new)
       scales = self.get_variable("cache", kv_cache.scale_name(name))
       self.put_variable("cache", kv_cache.scale_name(name),

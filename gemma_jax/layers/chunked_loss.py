@@ -27,7 +27,7 @@ import numpy as np
 
 from gemma_jax.layers.attention import softcap
 from gemma_jax.layers.matmul import transposed
-from gemma_jax.training.loss import TokenLosses
+from gemma_jax.layers.loss import TokenLosses
 
 MIN_LOGITS_BYTES = 1 << 28     # float32 logits per chunk: at least 256 MiB
 MIN_ROWS = 2048                # and at least this many positions (over the batch)
@@ -64,7 +64,7 @@ def chunk_length(batch: int, length: int, vocab_size: int,
 def token_losses(hidden: jax.Array, table: jax.Array, targets: jax.Array,
                  weights: jax.Array, *, logit_softcap: Optional[float] = None,
                  logits_bytes: Optional[int] = None) -> TokenLosses:
-  """`gemma_jax.training.loss.token_losses` of the logits softcap(hidden . table^T) in
+  """`gemma_jax.layers.loss.token_losses` of the logits softcap(hidden . table^T) in
   float32, without forming them whole.
 
   Args:

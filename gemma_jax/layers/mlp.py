@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from gemma_jax.layers.linear import Linear
 
+# Every name of config.ACTIVATIONS (the schema's) -> its function.
 ACTIVATIONS = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),

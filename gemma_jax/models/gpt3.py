@@ -19,7 +19,7 @@ from gemma_jax.layers.attention import Attention
 from gemma_jax.layers.layer_norm import LayerNorm
 from gemma_jax.layers.mlp import Mlp
 from gemma_jax.layers.row_chunks import apply_in_row_chunks
-from gemma_jax.models.gemma3 import Gemma3Layer
+from gemma_jax.models.gemma3.layer import Gemma3Layer
 
 
 class Gpt3Layer(Gemma3Layer):

@@ -1,6 +1,6 @@
 """Which vision tower a model has, by its block type: Gemma 3's SigLIP
-(gemma_jax/models/vision.py; images are pixels [B, I, S, S, C] from
-gemma_jax.image_inputs) or Gemma 4's (gemma_jax/models/gemma4_vision.py; images are
+(gemma_jax/models/gemma3/vision.py; images are pixels [B, I, S, S, C] from
+gemma_jax.models.gemma3.images) or Gemma 4's (gemma_jax/models/gemma4/vision.py; images are
 `gemma4_images.ImagePatches` [B, I, P, ...]). The decoder, `Transformed.apply`,
 prefill and the Sampler go through here, never to one family directly.
 """
@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax import gemma4_images
-from gemma_jax import image_inputs
-from gemma_jax.models import gemma4_vision
-from gemma_jax.models import vision
+from gemma_jax.models.gemma4 import images as gemma4_images
+from gemma_jax.models.gemma3 import images as image_inputs
+from gemma_jax.models.gemma4 import vision as gemma4_vision
+from gemma_jax.models.gemma3 import vision
 
 
 class _Tower(NamedTuple):

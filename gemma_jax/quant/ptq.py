@@ -4,12 +4,14 @@ import functools
 from typing import Tuple
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from ml_collections import config_dict
 
 from gemma_jax import config as config_lib
-from gemma_jax import lora, modules
+from gemma_jax.decoder import Decoder
+from gemma_jax.quant import projections
 from gemma_jax.quant.projections import STORED
 
 
@@ -50,14 +52,17 @@ def quantize(config: config_dict.ConfigDict, params: dict,
   quantized.model.quant = mode
   quantized.model.remat_policy = "none"
   config_lib.validate(quantized)
-  module = modules.decoder(lora.disabled(quantized))   # adapters, if any, pass through
+  model = config_dict.FrozenConfigDict(quantized.model)
+  module = Decoder(model)   # adapters, if any, pass through
   tokens = jnp.zeros((1, 1), jnp.int32)
 
   @functools.partial(jax.jit, donate_argnums=())
   def run(params):
     # One token through the model with "params" mutable: each quantized projection
     # finds its weight float and replaces it by values and scales.
-    _, state = module.apply({"params": params}, tokens, tokens, tokens + 1, mutable=["params"])
+    with nn.intercept_methods(projections.interceptor(model)):
+      _, state = module.apply({"params": params}, tokens, tokens, tokens + 1,
+                              mutable=["params"])
     return state["params"]
 
   result = run(params)

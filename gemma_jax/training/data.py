@@ -19,7 +19,7 @@ state is just the index of the next batch. With several processes each one reads
 its own contiguous slice of every global batch.
 
 Chat data (data.format "chat", or "auto" where a JSONL line holds "messages") are
-conversations rendered by gemma_jax.chat, with a per-token loss mask that keeps only the
+conversations rendered by gemma_jax.text.chat, with a per-token loss mask that keeps only the
 model's turns. When the data hold any conversation, every example (conversation or text
 document) is packed whole: shuffled, then laid into rows of T in order, a new row when
 the next example does not fit; an example longer than T is cut to T. The eval split is
@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax import chat
+from gemma_jax.text import chat
 from gemma_jax.checkpoints import bounded_json
 from gemma_jax.config import ConfigError
 

@@ -1,5 +1,5 @@
 """Starting a run from published or trained weights (`config.train.init_from`), and
-reading a workdir's weights back.
+reading a workdir's weights back (`load_model`: what the apps run).
 
 A run that starts from a checkpoint takes its model section from it: a transformers
 save_pretrained directory (`gemma_jax.hf`) or a training workdir. The compute options
@@ -8,15 +8,16 @@ is a ConfigError naming it.
 """
 
 import os
-from typing import Collection, Optional, Tuple
+from typing import Any, Collection, NamedTuple, Optional, Tuple
 
 import jax
 from ml_collections import config_dict
 
 from gemma_jax import hf, lora, quant, sharding, transformer
-from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import workdir as workdir_lib
 from gemma_jax.config import ConfigError
 from gemma_jax.training import checkpoints, optimizer, steps
+from gemma_jax.text import tokenizers
 
 # Model fields that change how the model is computed, not what it computes.
 COMPUTE_FIELDS = ("name", "dtype", "param_dtype", "scan_layers", "scan_unroll", "remat_policy",
@@ -181,3 +182,34 @@ def merged(config: config_dict.ConfigDict, workdir: str,
   if config.model.quant in quant.STORED_MODES:
     return config, lora.combine(base, trained)
   return lora.disabled(config), lora.merge(config, lora.combine(base, trained))
+
+
+class Loaded(NamedTuple):
+  """What an app needs of a model: its config, parameters and tokenizer."""
+  config: config_dict.ConfigDict
+  params: Any
+  tokenizer: Any
+
+
+def load_model(*, workdir: Optional[str] = None, hf_dir: Optional[str] = None,
+               tokenizer: Optional[str] = None) -> Loaded:
+  """A workdir's latest checkpoint (LoRA adapters merged into their base) or a
+  transformers directory, with its tokenizer ("byte", a file or a directory; default:
+  the workdir config's data.tokenizer, or the transformers directory's own files)."""
+  error = workdir_lib.WorkdirError
+  if (workdir is None) == (hf_dir is None):
+    raise error("give exactly one of a workdir and a transformers directory")
+  if hf_dir is not None and workdir_lib.is_workdir(hf_dir):
+    raise error(f"{hf_dir} is a training workdir, not a transformers directory: load it as "
+                "workdir= (--workdir)")
+  if workdir is not None and not workdir_lib.is_workdir(workdir) and os.path.isfile(
+      os.path.join(workdir, workdir_lib.CONFIG_FILE)):
+    raise error(f"{workdir} is no training workdir (a transformers directory?): load it as "
+                "hf_dir= (--hf_dir)")
+  if workdir is not None:
+    config, params = merged(workdir_lib.load_config(workdir), workdir)
+    name = tokenizer or config.data.tokenizer or "byte"
+  else:
+    config, params = hf.load(hf_dir, skip_audio=True)   # the apps feed no audio
+    name = tokenizer or hf_dir
+  return Loaded(config, params, tokenizers.get_tokenizer(name, config.model.vocab_size))

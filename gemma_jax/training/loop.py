@@ -21,10 +21,10 @@ import tqdm
 
 from gemma_jax import config as config_lib
 from gemma_jax import lora, quant, sharding, transformer
-from gemma_jax import workdir as workdir_lib
 from gemma_jax.inference import sampler
+from gemma_jax.text import tokenizers
 from gemma_jax.training import (checkpoints, data, flops, init_from, metrics, optimizer, steps,
-                                tokenizers)
+                                workdir as workdir_lib)
 
 SAMPLE_FILE = "sample.txt"
 
@@ -244,63 +244,90 @@ def train(config: config_dict.ConfigDict, workdir: str, *, model_overrides=()) -
 
 def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
   """`train` once the config is resolved and the workdir held."""
-  t = config.train
-  mesh = sharding.make_mesh(config.mesh)
-  # Evaluation runs in micro-batches too: they are what fits in memory.
-  accum = config.optimizer.grad_accum_steps
-  sharding.check_batch_rows(t.batch_size // accum, dict(mesh.shape))
-  tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
-  config_lib.check_sample_fits(config, 1 + len(tokenizer.encode([config.sample.prompt])[0]))
-  train_rows, eval_rows = data.load_splits(config.data, tokenizer, config.seed)
-  batches = data.TrainBatches(train_rows, t.batch_size, config.seed)
-  local_eval_set = data.eval_batches(eval_rows, t.batch_size // accum, t.eval_batches * accum)
-  entropy = metrics.unigram_entropy(local_eval_set)
-  _say(f"data: {len(train_rows)} train rows, {len(eval_rows)} eval rows of "
-       f"{config.data.seq_len} tokens; eval unigram entropy {entropy:.4f} nats/token")
+  run = _Run(config, workdir)
+  with sharding.activate(run.mesh):
+    state = run.initial_state()
+    run.compile(state)
+  state, summary, last_eval = run.loop(state)
+  if summary["stopped_by"]:
+    _say(f"stopped by {summary['stopped_by']} at step {summary['step']}; checkpoint saved in "
+         f"{run.checkpoint_dir}")
+    return summary
+  return run.finish(state, summary, last_eval)
 
-  model = transformer.transform(config)
-  schedule = optimizer.learning_rate_schedule(config.optimizer, t.steps)
-  tx = optimizer.make_optimizer(config.optimizer, schedule)
-  trained = steps.trained_part(config)
-  init = lambda: steps.init_state(model, tx, config.seed, config.data.seq_len, trained)
-  state_shardings = steps.state_shardings(config, tx, jax.eval_shape(init), mesh)
-  batch_sharding = sharding.batch_sharding(mesh)
-  eval_set = [sharding.global_batch(batch, mesh) for batch in local_eval_set]
-  checkpoint_dir = workdir_lib.checkpoint_dir(workdir)
-  checkpointer = checkpoints.Checkpointer(checkpoint_dir, config.checkpoint.keep,
-                                          pinned=lambda: workdir_lib.pinned_steps(workdir),
-                                          writer=True)
-  if config.lora.rank and t.init_from_step is not None and jax.process_index() == 0:
-    _pin_base_step(t.init_from, t.init_from_step, workdir)
-  # Trained params combined with the frozen ones (a LoRA run's base; else nothing).
-  if config.lora.rank:
-    combine = lora.combine
-    frozen_shardings = lora.split(sharding.param_shardings(config, mesh))[0]
-  else:
-    combine = lambda frozen, params: params
-    frozen_shardings = {}
-  forward = steps.model_forward(model)
 
-  with sharding.activate(mesh):
-    init = jax.jit(init, out_shardings=state_shardings)
-    frozen = {}
+class _Run:
+  """One run's parts, in the order `_train` uses them: the data, model, optimizer and
+  checkpoints (`__init__`), the state it starts from (`initial_state`), its compiled
+  steps (`compile`), the steps themselves (`loop`) and the final report (`finish`)."""
+
+  def __init__(self, config: config_dict.ConfigDict, workdir: str):
+    self.config, self.workdir = config, workdir
+    t = config.train
+    self.mesh = sharding.make_mesh(config.mesh)
+    # Evaluation runs in micro-batches too: they are what fits in memory.
+    accum = config.optimizer.grad_accum_steps
+    sharding.check_batch_rows(t.batch_size // accum, dict(self.mesh.shape))
+    self.tokenizer = tokenizers.get_tokenizer(config.data.tokenizer, config.model.vocab_size)
+    config_lib.check_sample_fits(
+        config, 1 + len(self.tokenizer.encode([config.sample.prompt])[0]))
+    train_rows, eval_rows = data.load_splits(config.data, self.tokenizer, config.seed)
+    self.batches = data.TrainBatches(train_rows, t.batch_size, config.seed)
+    local_eval_set = data.eval_batches(eval_rows, t.batch_size // accum,
+                                       t.eval_batches * accum)
+    self.entropy = metrics.unigram_entropy(local_eval_set)
+    _say(f"data: {len(train_rows)} train rows, {len(eval_rows)} eval rows of "
+         f"{config.data.seq_len} tokens; eval unigram entropy {self.entropy:.4f} nats/token")
+
+    model = transformer.transform(config)
+    self.schedule = optimizer.learning_rate_schedule(config.optimizer, t.steps)
+    self.tx = optimizer.make_optimizer(config.optimizer, self.schedule)
+    trained = steps.trained_part(config)
+    self.init = lambda: steps.init_state(model, self.tx, config.seed, config.data.seq_len,
+                                         trained)
+    self.state_shardings = steps.state_shardings(config, self.tx, jax.eval_shape(self.init),
+                                                 self.mesh)
+    self.eval_set = [sharding.global_batch(batch, self.mesh) for batch in local_eval_set]
+    self.checkpoint_dir = workdir_lib.checkpoint_dir(workdir)
+    self.checkpointer = checkpoints.Checkpointer(
+        self.checkpoint_dir, config.checkpoint.keep,
+        pinned=lambda: workdir_lib.pinned_steps(workdir), writer=True)
+    if config.lora.rank and t.init_from_step is not None and jax.process_index() == 0:
+      _pin_base_step(t.init_from, t.init_from_step, workdir)
+    # Trained params combined with the frozen ones (a LoRA run's base; else nothing).
     if config.lora.rank:
-      frozen = _frozen_base(config, mesh)
-    if checkpointer.latest_step() is not None:
-      state, data_state = checkpointer.restore(jax.eval_shape(init))
+      self.combine = lora.combine
+      self.frozen_shardings = lora.split(sharding.param_shardings(config, self.mesh))[0]
+    else:
+      self.combine = lambda frozen, params: params
+      self.frozen_shardings = {}
+    self.forward = steps.model_forward(model)
+    self.frozen, self.config_file = {}, None
+
+  def initial_state(self):
+    """The state the run starts from: its latest checkpoint (and data position), else
+    train.init_from's weights, else a fresh init; the config is saved once it is known
+    the run goes on. Under the run's mesh."""
+    config, t = self.config, self.config.train
+    init = jax.jit(self.init, out_shardings=self.state_shardings)
+    if config.lora.rank:
+      self.frozen = _frozen_base(config, self.mesh)
+    if self.checkpointer.latest_step() is not None:
+      state, data_state = self.checkpointer.restore(jax.eval_shape(init))
       try:
-        batches.restore(data_state)
+        self.batches.restore(data_state)
       except ValueError as error:   # a position no run saves: written by hand, or damaged
-        raise checkpointer.damaged(int(state.step), "holds a data position this run "
-                                   f"cannot go on from ({checkpoints.DATA_POSITION_FILE}: "
-                                   f"{error})") from None
-      _say(f"resumed from step {int(state.step)} in {checkpoint_dir}"
+        raise self.checkpointer.damaged(int(state.step), "holds a data position this run "
+                                        f"cannot go on from ({checkpoints.DATA_POSITION_FILE}"
+                                        f": {error})") from None
+      _say(f"resumed from step {int(state.step)} in {self.checkpoint_dir}"
            + (" (train.init_from is read only for a new run)" if t.init_from else ""))
-      _say_changes_since_saved(config, workdir)
+      _say_changes_since_saved(config, self.workdir)
     elif t.init_from and not config.lora.rank:
-      params = init_from.base_params(config, mesh)
+      params = init_from.base_params(config, self.mesh)
+      tx = self.tx
       state = jax.jit(lambda params: init()._replace(params=params, opt_state=tx.init(params)),
-                      out_shardings=state_shardings)(params)
+                      out_shardings=self.state_shardings)(params)
       _say(f"starting from the weights of {t.init_from}")
     else:
       state = init()
@@ -308,121 +335,147 @@ def _train(config: config_dict.ConfigDict, workdir: str) -> dict:
         _say(f"LoRA (rank {config.lora.rank}) over the frozen weights of {t.init_from}")
     # Only now: a resume the checkpoint refuses leaves the config it was saved with.
     if jax.process_index() == 0:
-      config_file = workdir_lib.save_config(workdir, config)
+      self.config_file = workdir_lib.save_config(self.workdir, config)
+    return state
 
-    def train_step(state, batch, frozen):
-      step_forward = lambda params, batch, rng: forward(combine(frozen, params), batch, rng)
-      return steps.make_train_step(step_forward, tx, schedule, grad_accum_steps=accum,
-                                   z_loss=t.z_loss)(state, batch)
+  def _train_step(self, state, batch, frozen):
+    forward, combine = self.forward, self.combine
+    step_forward = lambda params, batch, rng: forward(combine(frozen, params), batch, rng)
+    return steps.make_train_step(
+        step_forward, self.tx, self.schedule,
+        grad_accum_steps=self.config.optimizer.grad_accum_steps,
+        z_loss=self.config.train.z_loss)(state, batch)
 
-    def eval_step(params, batch, frozen):
-      return steps.make_eval_step(forward)(combine(frozen, params), batch)
+  def _eval_step(self, params, batch, frozen):
+    return steps.make_eval_step(self.forward)(self.combine(frozen, params), batch)
 
+  def compile(self, state) -> None:
+    """Compiles the train and eval steps for `state`'s shapes (under the run's mesh)."""
     start = time.perf_counter()
-    train_step = jax.jit(
-        train_step, in_shardings=(state_shardings, batch_sharding, frozen_shardings),
-        out_shardings=(state_shardings, sharding.replicated(mesh)), donate_argnums=0,
-    ).lower(state, sharding.global_batch(batches.batch(0), mesh),
-            frozen).compile()
-    eval_step = jax.jit(eval_step,
-                        in_shardings=(state_shardings.params, batch_sharding, frozen_shardings),
-                        out_shardings=sharding.replicated(mesh)).lower(
-                            state.params, eval_set[0], frozen).compile()
-  _say(f"compiled the train and eval steps in {time.perf_counter() - start:.1f}s")
+    batch_sharding = sharding.batch_sharding(self.mesh)
+    self.train_step = jax.jit(
+        self._train_step, in_shardings=(self.state_shardings, batch_sharding,
+                                        self.frozen_shardings),
+        out_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
+        donate_argnums=0,
+    ).lower(state, sharding.global_batch(self.batches.batch(0), self.mesh),
+            self.frozen).compile()
+    self.eval_step = jax.jit(
+        self._eval_step, in_shardings=(self.state_shardings.params, batch_sharding,
+                                       self.frozen_shardings),
+        out_shardings=sharding.replicated(self.mesh)).lower(
+            state.params, self.eval_set[0], self.frozen).compile()
+    _say(f"compiled the train and eval steps in {time.perf_counter() - start:.1f}s")
 
-  tokens_per_step = t.batch_size * config.data.seq_len
-  flops_per_token = flops.training_flops_per_token(config.model, config.data.seq_len,
-                                                   lora.param_count(config))
-  peak = t.peak_flops or flops.measure_peak_flops(config.model.dtype)
-  step = int(state.step)
-  writer = metrics.MetricsWriter(workdir, step) if jax.process_index() == 0 else None
-  if writer and writer.dropped:
-    _say(f"dropped {writer.dropped} record(s) past step {step} from "
-         f"{metrics.METRICS_FILE}: this run logs those steps again")
-  summary = {"step": step, "stopped_by": None}
-  last_eval = None   # (step, eval loss)
-  if step == 0 and t.init_from:   # where fine-tuning starts from
-    start_loss = _evaluate(eval_step, state.params, eval_set, frozen)
+  def evaluate(self, params) -> float:
+    return _evaluate(self.eval_step, params, self.eval_set, self.frozen)
+
+  def _start_report(self, state, writer, summary: dict) -> None:
+    """A new run from train.init_from: the eval loss of the weights it starts from."""
+    t = self.config.train
+    start_loss = self.evaluate(state.params)
     summary["start_eval_loss"] = start_loss
     if writer:
       writer.write(0, {"eval_loss": start_loss})
-    stored = (f", as {config.model.quant}" if config.model.quant in quant.STORED_MODES
-              else "")
+    stored = (f", as {self.config.model.quant}"
+              if self.config.model.quant in quant.STORED_MODES else "")
     _say(f"step 0/{t.steps} | eval_loss {start_loss:.4f} (the weights of {t.init_from}"
          f"{stored})")
-  # Metrics of steps not yet checked, and of those checked but not yet logged; the
-  # seconds those steps ran (evaluations, logging and saves left out).
-  pending, unlogged, seconds, interval_start = [], [], 0.0, time.perf_counter()
-  bar = tqdm.tqdm(total=t.steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
-                  disable=not t.progress_bar or jax.process_index() != 0)
-  try:
-    with StopSignal() as stop:
-      while step < t.steps and not stop.requested:
-        state, step_metrics = train_step(state, sharding.global_batch(next(batches), mesh),
-                                         frozen)
-        step += 1
-        pending.append((step, step_metrics))
-        bar.update()
-        done = step == t.steps
-        evaluate = done or (t.eval_every and step % t.eval_every == 0)
-        log = done or evaluate or stop.requested or step % t.log_every == 0
-        save = done or step % config.checkpoint.save_every == 0
-        if not (log or save or stop.requested):
-          continue
-        unlogged += _check_finite(pending, checkpointer, checkpoint_dir)
-        pending = []
-        seconds += time.perf_counter() - interval_start
-        if log:
-          record = _train_record(unlogged, seconds, len(unlogged) * tokens_per_step,
-                                 flops_per_token, peak)
-          unlogged, seconds = [], 0.0
-          if evaluate:
-            record["eval_loss"] = _evaluate(eval_step, state.params, eval_set, frozen)
-            last_eval = (step, record["eval_loss"])
-          if done:
-            record["unigram_entropy"] = entropy
-          if writer:
-            writer.write(step, record)
-          bar.set_postfix(loss=f"{record['loss']:.3f}")
-          _say(_log_line(step, t.steps, record))
-        if save or stop.requested:
-          checkpointer.save(state, batches.state())
-        interval_start = time.perf_counter()
-      summary.update(step=step, stopped_by=stop.requested)
-  finally:
-    bar.close()
-    try:
-      checkpointer.wait()
-    finally:
-      checkpointer.close()
-      if writer:
-        writer.close()
 
-  if summary["stopped_by"]:
-    _say(f"stopped by {summary['stopped_by']} at step {step}; checkpoint saved in "
-         f"{checkpoint_dir}")
-    return summary
-  if last_eval is None or last_eval[0] != step:
-    last_eval = (step, _evaluate(eval_step, state.params, eval_set, frozen))
-  eval_loss = last_eval[1]
-  summary.update(eval_loss=eval_loss, unigram_entropy=entropy, sample=None)
-  _say(final_report(eval_loss, entropy))
-  if "start_eval_loss" in summary:
-    _say(f"eval loss {summary['start_eval_loss']:.4f} -> {eval_loss:.4f} "
-         f"({eval_loss / summary['start_eval_loss'] - 1:+.1%}) from {t.init_from}")
-  if jax.process_index() == 0:
-    metrics.plot_losses(metrics.read_records(workdir), os.path.join(workdir, metrics.PLOT_FILE),
-                        reference=entropy)
-  written = {"config": config_file, "checkpoints": checkpoint_dir,
-             "metrics": os.path.join(workdir, metrics.METRICS_FILE),
-             "plot": os.path.join(workdir, metrics.PLOT_FILE)} if jax.process_index() == 0 else {}
-  if config.sample.max_new_tokens:
-    with sharding.activate(mesh):   # LoRA adapters run beside their base, unmerged
-      summary["sample"] = _generate(config, combine(frozen, state.params), tokenizer)
-    _say(f"sample: {summary['sample']!r}")
+  def loop(self, state):
+    """The steps from `state` to train.steps or a stop signal, logging, evaluating and
+    saving as configured: (the last state, the summary so far, (step, eval loss) of the
+    last evaluation or None)."""
+    config, t = self.config, self.config.train
+    tokens_per_step = t.batch_size * config.data.seq_len
+    flops_per_token = flops.training_flops_per_token(config.model, config.data.seq_len,
+                                                     lora.param_count(config))
+    peak = t.peak_flops or flops.measure_peak_flops(config.model.dtype)
+    step = int(state.step)
+    writer = metrics.MetricsWriter(self.workdir, step) if jax.process_index() == 0 else None
+    if writer and writer.dropped:
+      _say(f"dropped {writer.dropped} record(s) past step {step} from "
+           f"{metrics.METRICS_FILE}: this run logs those steps again")
+    summary = {"step": step, "stopped_by": None}
+    last_eval = None   # (step, eval loss)
+    if step == 0 and t.init_from:   # where fine-tuning starts from
+      self._start_report(state, writer, summary)
+    # Metrics of steps not yet checked, and of those checked but not yet logged; the
+    # seconds those steps ran (evaluations, logging and saves left out).
+    pending, unlogged, seconds, interval_start = [], [], 0.0, time.perf_counter()
+    bar = tqdm.tqdm(total=t.steps, initial=step, desc="train", unit="step",
+                    dynamic_ncols=True, disable=not t.progress_bar or jax.process_index() != 0)
+    try:
+      with StopSignal() as stop:
+        while step < t.steps and not stop.requested:
+          state, step_metrics = self.train_step(
+              state, sharding.global_batch(next(self.batches), self.mesh), self.frozen)
+          step += 1
+          pending.append((step, step_metrics))
+          bar.update()
+          done = step == t.steps
+          evaluate = done or (t.eval_every and step % t.eval_every == 0)
+          log = done or evaluate or stop.requested or step % t.log_every == 0
+          save = done or step % config.checkpoint.save_every == 0
+          if not (log or save or stop.requested):
+            continue
+          unlogged += _check_finite(pending, self.checkpointer, self.checkpoint_dir)
+          pending = []
+          seconds += time.perf_counter() - interval_start
+          if log:
+            record = _train_record(unlogged, seconds, len(unlogged) * tokens_per_step,
+                                   flops_per_token, peak)
+            unlogged, seconds = [], 0.0
+            if evaluate:
+              record["eval_loss"] = self.evaluate(state.params)
+              last_eval = (step, record["eval_loss"])
+            if done:
+              record["unigram_entropy"] = self.entropy
+            if writer:
+              writer.write(step, record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}")
+            _say(_log_line(step, t.steps, record))
+          if save or stop.requested:
+            self.checkpointer.save(state, self.batches.state())
+          interval_start = time.perf_counter()
+        summary.update(step=step, stopped_by=stop.requested)
+    finally:
+      bar.close()
+      try:
+        self.checkpointer.wait()
+      finally:
+        self.checkpointer.close()
+        if writer:
+          writer.close()
+    return state, summary, last_eval
+
+  def finish(self, state, summary: dict, last_eval) -> dict:
+    """The final evaluation, loss plot and sample of a completed run; -> the summary."""
+    config, workdir, step = self.config, self.workdir, summary["step"]
+    if last_eval is None or last_eval[0] != step:
+      last_eval = (step, self.evaluate(state.params))
+    eval_loss = last_eval[1]
+    summary.update(eval_loss=eval_loss, unigram_entropy=self.entropy, sample=None)
+    _say(final_report(eval_loss, self.entropy))
+    if "start_eval_loss" in summary:
+      _say(f"eval loss {summary['start_eval_loss']:.4f} -> {eval_loss:.4f} "
+           f"({eval_loss / summary['start_eval_loss'] - 1:+.1%}) from "
+           f"{config.train.init_from}")
+    written = {}
     if jax.process_index() == 0:
-      written["sample"] = os.path.join(workdir, SAMPLE_FILE)
-      workdir_lib.write_atomically(written["sample"], summary["sample"])
-  for what, path in written.items():
-    _say(f"{what:>11}: {path}")
-  return summary
+      metrics.plot_losses(metrics.read_records(workdir),
+                          os.path.join(workdir, metrics.PLOT_FILE), reference=self.entropy)
+      written = {"config": self.config_file, "checkpoints": self.checkpoint_dir,
+                 "metrics": os.path.join(workdir, metrics.METRICS_FILE),
+                 "plot": os.path.join(workdir, metrics.PLOT_FILE)}
+    if config.sample.max_new_tokens:
+      with sharding.activate(self.mesh):   # LoRA adapters run beside their base, unmerged
+        summary["sample"] = _generate(config, self.combine(self.frozen, state.params),
+                                      self.tokenizer)
+      _say(f"sample: {summary['sample']!r}")
+      if jax.process_index() == 0:
+        written["sample"] = os.path.join(workdir, SAMPLE_FILE)
+        workdir_lib.write_atomically(written["sample"], summary["sample"])
+    for what, path in written.items():
+      _say(f"{what:>11}: {path}")
+    return summary

@@ -11,7 +11,7 @@ import matplotlib
 import numpy as np
 import tensorboardX
 
-from gemma_jax import workdir as workdir_lib
+from gemma_jax.training import workdir as workdir_lib
 
 matplotlib.use("Agg")
 from matplotlib import pyplot  # pylint: disable=wrong-import-position

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from gemma_jax import lora, sharding
-from gemma_jax.training import loss
+from gemma_jax.layers import loss
 from gemma_jax.transformer import Transformed
 
 Batch = Dict[str, jax.Array]

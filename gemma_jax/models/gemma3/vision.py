@@ -1,7 +1,7 @@
 """Gemma 3's vision tower: a SigLIP encoder, soft-token pooling and the projection into
 the text width, and the helpers that merge its soft tokens into the text stream.
 Its config section is `config.model.vision` (gemma_jax/config.py); its transformers
-tensor names are in gemma_jax/hf_vision.py.
+tensor names are in gemma_jax/checkpoints/gemma3_tower.py.
 
 Dims: N images (any leading dims flattened), S image side in pixels, C channels,
 p patch side, G = S / p patches per side, P = G * G patches, W encoder width,
@@ -271,10 +271,10 @@ def check_image_inputs(tokens: Any, images: Any, config: config_dict.ConfigDict)
       raise ValueError(f"images must be [batch={b}, images, {config.image_size}, "
                        f"{config.image_size}, {config.num_channels}], got shape {images.shape}")
     if not jnp.issubdtype(images.dtype, jnp.floating):
-      raise ValueError(f"images must hold float pixels (gemma_jax.image_inputs), got dtype "
+      raise ValueError(f"images must hold float pixels (gemma_jax.models.gemma3.images), got dtype "
                        f"{images.dtype}")
     check_value_range(images, -1.0, 1.0, "images",
-                      "gemma_jax.image_inputs.preprocess_images maps 0..255 to [-1, 1]")
+                      "gemma_jax.models.gemma3.images.preprocess_images maps 0..255 to [-1, 1]")
   if isinstance(tokens, jax.core.Tracer):
     return
   spans = np.asarray(image_span_ids(jnp.asarray(tokens), config.image_token_id))

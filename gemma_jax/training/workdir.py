@@ -6,9 +6,8 @@ model apps read back from it.
     WORKDIR/.lock           held (flock) by the one process training in it
     WORKDIR/pins/           the steps LoRA runs over this workdir adapt: kept by its run
 
-`load_model(workdir=...)` or `load_model(hf_dir=...)` is what sample, eval, chat and
-export read: the config, the parameters (LoRA adapters merged into their base) and the
-tokenizer.
+What apps read back from a workdir (its model, LoRA merged) is
+`gemma_jax.training.init_from.load_model`.
 """
 
 import contextlib
@@ -18,7 +17,7 @@ import json
 import os
 import socket
 import tempfile
-from typing import Any, List, NamedTuple, Optional, Set
+from typing import List, Set
 
 from ml_collections import config_dict
 
@@ -195,36 +194,3 @@ def lock(workdir: str):
       os.unlink(path)
       os.rmdir(workdir)
     os.close(fd)   # releases the flock
-
-
-class Loaded(NamedTuple):
-  """What an app needs of a model: its config, parameters and tokenizer."""
-  config: config_dict.ConfigDict
-  params: Any
-  tokenizer: Any
-
-
-def load_model(*, workdir: Optional[str] = None, hf_dir: Optional[str] = None,
-               tokenizer: Optional[str] = None) -> Loaded:
-  """A workdir's latest checkpoint (LoRA adapters merged into their base) or a
-  transformers directory, with its tokenizer ("byte", a file or a directory; default:
-  the workdir config's data.tokenizer, or the transformers directory's own files)."""
-  # Imported here: the training stack imports this module.
-  from gemma_jax import hf  # pylint: disable=import-outside-toplevel
-  from gemma_jax.training import init_from, tokenizers  # pylint: disable=import-outside-toplevel
-  if (workdir is None) == (hf_dir is None):
-    raise WorkdirError("give exactly one of a workdir and a transformers directory")
-  if hf_dir is not None and is_workdir(hf_dir):
-    raise WorkdirError(f"{hf_dir} is a training workdir, not a transformers directory: "
-                       "load it as workdir= (--workdir)")
-  if workdir is not None and not is_workdir(workdir) and os.path.isfile(
-      os.path.join(workdir, CONFIG_FILE)):
-    raise WorkdirError(f"{workdir} is no training workdir (a transformers directory?): "
-                       "load it as hf_dir= (--hf_dir)")
-  if workdir is not None:
-    config, params = init_from.merged(load_config(workdir), workdir)
-    name = tokenizer or config.data.tokenizer or "byte"
-  else:
-    config, params = hf.load(hf_dir, skip_audio=True)   # the apps feed no audio
-    name = tokenizer or hf_dir
-  return Loaded(config, params, tokenizers.get_tokenizer(name, config.model.vocab_size))

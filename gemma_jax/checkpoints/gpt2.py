@@ -9,7 +9,7 @@ a LayerNorm weight w is 1 + our zero-based scale. Names below `transformer.`:
     h.{i}.ln_1.{weight,bias}  h.{i}.attn.c_attn.{weight,bias}  h.{i}.attn.c_proj.{weight,bias}
     h.{i}.ln_2.{weight,bias}  h.{i}.mlp.c_fc.{weight,bias}     h.{i}.mlp.c_proj.{weight,bias}
 
-`gemma_jax.hf.load` / `save` call these functions for `model_type` "gpt2" and for
+`gemma_jax.hf.load` / `save` read and write through `FAMILY` for `model_type` "gpt2" and for
 `block_type` "gpt3".
 """
 
@@ -21,10 +21,11 @@ from typing import Dict, Optional, Tuple, Union
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax import hf_fields
 from gemma_jax import presets
+from gemma_jax.checkpoints import CheckpointError
+from gemma_jax.checkpoints import config_fields
+from gemma_jax.checkpoints.family import Family
 from gemma_jax.decoder import layer_types
-from gemma_jax.hf import CheckpointError
 
 _ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
                 "relu": "relu", "silu": "silu"}
@@ -68,26 +69,27 @@ def config_from_hf(hf: dict, file: str = "config.json") -> config_dict.ConfigDic
   """A GPT-2 config.json (as a dict) -> our full config (the gpt3 presets' options).
   Raises CheckpointError naming `file` and the first field that is missing, of the wrong
   kind or not supported."""
-  fields = hf_fields.Section(hf)
+  fields = config_fields.Section(hf)
   try:
     for field, ok in _UNSUPPORTED:
-      if fields.read(field, hf_fields.FLAG, ok) != ok:
+      if fields.read(field, config_fields.FLAG, ok) != ok:
         raise fields.error(field, f"only {json.dumps(ok)} is supported")
-    activation = fields.read("activation_function", hf_fields.one_of(_ACTIVATIONS), "gelu_new")
-    d, n = (fields.read(key, hf_fields.POSITIVE_INT) for key in ("n_embd", "n_head"))
+    activation = fields.read("activation_function", config_fields.one_of(_ACTIVATIONS), "gelu_new")
+    d, n = (fields.read(key, config_fields.POSITIVE_INT) for key in ("n_embd", "n_head"))
     if d % n:
       raise fields.error("n_head", f"{n} does not divide n_embd={d}")
-    positions = fields.read("n_positions", hf_fields.POSITIVE_INT)
+    positions = fields.read("n_positions", config_fields.POSITIVE_INT)
     config = presets.get_config("gpt3-52k")
     config.model.update(dict(
-        name="hf", vocab_size=fields.read("vocab_size", hf_fields.POSITIVE_INT), d_model=d,
-        num_layers=fields.read("n_layer", hf_fields.LAYER_COUNT), num_heads=n,
+        name="hf", vocab_size=fields.read("vocab_size", config_fields.POSITIVE_INT), d_model=d,
+        num_layers=fields.read("n_layer", config_fields.LAYER_COUNT), num_heads=n,
         num_kv_heads=n, head_dim=d // n,
-        mlp_dim=fields.read("n_inner", hf_fields.optional(hf_fields.POSITIVE_INT), None) or 4 * d,
+        mlp_dim=fields.read("n_inner", config_fields.optional(config_fields.POSITIVE_INT),
+                            None) or 4 * d,
         activation=_ACTIVATIONS[activation],
-        norm_eps=fields.read("layer_norm_epsilon", hf_fields.POSITIVE, 1e-5),
+        norm_eps=fields.read("layer_norm_epsilon", config_fields.POSITIVE, 1e-5),
         trainable_position_size=positions))
-  except hf_fields.FieldError as error:
+  except config_fields.FieldError as error:
     raise CheckpointError(f"{file}: {error}") from None
   # Training rows must fit the position table.
   config.data.seq_len = min(config.data.seq_len, positions)
@@ -175,3 +177,9 @@ def to_hf(value: np.ndarray, path: Tuple[str, ...]) -> Tuple[str, int, np.ndarra
   """Our parameter -> (its stored name, part 0, the stored tensor)."""
   stored = value.reshape(_stored_shape(path, value.shape))
   return _PREFIX + tensor_name(path), 0, stored + np.asarray(_offset(path), value.dtype)
+
+
+# The mapping gemma_jax.checkpoints.hf reads and writes GPT-2 checkpoints with; GPT-2's
+# checkpoints hold nothing the model leaves unused (the attention biases are buffers).
+FAMILY = Family(config_from_hf, config_to_hf, model_tensors, tensor_name, layer_of, from_hf,
+                to_hf, unused_tensors=lambda model: set())

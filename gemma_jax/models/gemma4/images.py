@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, Sequence, Tuple, Union
 
 import numpy as np
 
-from gemma_jax import image_inputs
+from gemma_jax.models.gemma3 import images as image_inputs
 
 BICUBIC_A = -0.5                  # Pillow's cubic convolution parameter
 

@@ -1,6 +1,6 @@
 """Gemma 4's vision tower: patches of an image of any aspect ratio -> soft tokens in the
-text width. Its inputs come from gemma_jax/gemma4_images.py; its transformers tensor
-names are in gemma_jax/hf_gemma4_vision.py.
+text width. Its inputs come from gemma_jax/models/gemma4/images.py; its transformers tensor
+names are in gemma_jax/checkpoints/gemma4_tower.py.
 
 Dims: N images (any leading dims flattened), P patch slots per image (padding
 included), p patch side, W encoder width, A query heads, K key/value heads, H head dim,
@@ -53,13 +53,13 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax.gemma4_images import ImagePatches
+from gemma_jax.models.gemma4.images import ImagePatches
 from gemma_jax.layers.attention import dot_product_attention
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.mlp import gated_activation
 from gemma_jax.layers.norms import RMSNorm
 from gemma_jax.layers.rope import apply_rope
-from gemma_jax.models import vision
+from gemma_jax.models.gemma3 import vision
 
 
 # ----------------------------------------------------------------------------- pieces

@@ -1,6 +1,6 @@
 """Host tensors onto a mesh, each device's part read alone.
 
-A checkpoint's tensors are memory-mapped (`gemma_jax.safetensors_io.read`) and mapped to
+A checkpoint's tensors are memory-mapped (`checkpoints.safetensors_io.read`) and mapped to
 our layout by views (slices, transposes, axis splits), so nothing is read until a
 device's part is asked for. `place` builds every parameter from the parts this process's
 devices hold: on many hosts each reads only its own shards, and a checkpoint larger than

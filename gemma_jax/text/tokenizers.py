@@ -10,7 +10,7 @@ transformers' `AutoTokenizer.from_pretrained(directory)` load.
 Text is text: `encode` gives a special token's name written in a text ("<end_of_turn>",
 "<start_of_image>", "<bos>") the ids of its characters, never the special id, with every
 kind of tokenizer. Only a caller that means them puts special ids in a sequence: the
-chat template (gemma_jax.chat), or a Sampler placing images.
+chat template (gemma_jax.text.chat), or a Sampler placing images.
 """
 
 import functools
@@ -23,7 +23,7 @@ import numpy as np
 import sentencepiece
 import tokenizers as hf_tokenizers
 
-from gemma_jax import chat
+from gemma_jax.text import chat
 from gemma_jax.checkpoints import bounded_json
 from gemma_jax.config import ConfigError
 

@@ -1,4 +1,4 @@
-"""Gemma 4's vision tower (gemma_jax/models/gemma4_vision.py) <-> transformers' tensors.
+"""Gemma 4's vision tower (gemma_jax/models/gemma4_tower.py) <-> transformers' tensors.
 
 Canonical names are "vision_tower.<name>" and "embed_vision.<name>", to which
 Gemma4ForConditionalGeneration's names in memory and in its saved files
@@ -15,8 +15,8 @@ from typing import Mapping
 
 from ml_collections import config_dict
 
-from gemma_jax.hf_fields import COUNT, FLAG, POSITIVE, POSITIVE_INT, Section, one_of
-from gemma_jax.hf_tower import Tensor, TowerLayout
+from gemma_jax.checkpoints.config_fields import COUNT, FLAG, POSITIVE, POSITIVE_INT, Section, one_of
+from gemma_jax.checkpoints.tower_layout import Tensor, TowerLayout
 
 _TOWER, _EMBED = "vision_tower.", "embed_vision."
 _BOUNDS = ("input_min", "input_max", "output_min", "output_max")
@@ -82,7 +82,7 @@ FIELDS = ("enabled", "activation", "rope_base", "pad_token_id") + tuple(_CONFIG_
 
 def config_from_hf(hf: dict, activations: Mapping[str, str]) -> dict:
   """A transformers Gemma4Config dict -> our vision fields (`activations`: transformers'
-  activation name -> ours). Raises hf_fields.FieldError (a ValueError) naming a field
+  activation name -> ours). Raises config_fields.FieldError (a ValueError) naming a field
   missing, of the wrong kind, or a setting we do not build."""
   root = Section(hf)
   v = root.section("vision_config")
@@ -101,7 +101,7 @@ def config_from_hf(hf: dict, activations: Mapping[str, str]) -> dict:
 def processor_from_hf(processor: Section, fields: dict) -> dict:
   """Gemma4ImageProcessor's settings (of preprocessor_config.json, or processor_config.json's
   image_processor) -> our resize budget {"max_soft_tokens": ...} ({} when they set none),
-  for the vision `fields` of `config_from_hf`. Raises hf_fields.FieldError naming a
+  for the vision `fields` of `config_from_hf`. Raises config_fields.FieldError naming a
   setting of the wrong kind, or patches that differ from the tower's."""
   for ours, key in (("patch_size", "patch_size"), ("pooling_kernel", "pooling_kernel_size")):
     if processor.read(key, POSITIVE_INT, fields[ours]) != fields[ours]:
@@ -125,7 +125,7 @@ def config_to_hf(config: config_dict.ConfigDict, activations: Mapping[str, str])
 
 def processor_to_hf(config: config_dict.ConfigDict) -> dict:
   """Our vision section -> the preprocessor_config.json of transformers'
-  Gemma4ImageProcessor preparing images as gemma_jax.gemma4_images does."""
+  Gemma4ImageProcessor preparing images as gemma_jax.models.gemma4.images does."""
   return {"image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True,
           "do_resize": True, "resample": 3, "do_rescale": True, "rescale_factor": 1 / 255,
           "do_normalize": False, "image_mean": [0.0] * 3, "image_std": [1.0] * 3,

@@ -4,7 +4,7 @@ Its attention options (global key/value heads and head dim, keys as values, the 
 norm, partial RoPE, query scale 1) are the config's, read by `Gemma3Layer`. What this
 layer adds: the feed-forward is a `MoeBlock` (a shared MLP beside routed experts) when
 the config has experts; the small models' per-layer input (`per_layer_input_dim`, see
-`layers.per_layer_inputs`) and shared keys and values (`num_kv_shared_layers`: a
+`models.gemma4.per_layer_inputs`) and shared keys and values (`num_kv_shared_layers`: a
 "reuse" layer attends over a "store" layer's, and with `double_wide_mlp` its MLP is
 twice as wide); and the layer's output is scaled by a learned scalar.
 """
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.mlp import gated_activation
 from gemma_jax.layers.moe import MoeBlock
-from gemma_jax.models.gemma3 import ACTIVATION_AXES, Gemma3Layer
+from gemma_jax.models.gemma3.layer import ACTIVATION_AXES, Gemma3Layer
 
 
 class Gemma4Layer(Gemma3Layer):

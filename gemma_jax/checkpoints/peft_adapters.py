@@ -1,10 +1,10 @@
 """gemma_jax LoRA adapters <-> peft LoRA directories (adapter_config.json and
 adapter_model.safetensors), for transformers' Gemma 3 and Gemma 4 text models.
 
-    hf_peft.save("out/adapter", config, adapters)    # peft.PeftModel.from_pretrained reads it
-    adapters = hf_peft.load("out/adapter", config)   # a peft save_pretrained directory
+    peft_adapters.save("out/adapter", config, adapters)    # peft.PeftModel.from_pretrained reads it
+    adapters = peft_adapters.load("out/adapter", config)   # a peft save_pretrained directory
 
-peft stores, for each adapted projection (names as in `gemma_jax.hf`),
+peft stores, for each adapted projection (names as in `checkpoints.gemma`),
 `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` [r, in] and
 `...lora_B.weight` [out, r] (a linear weight's [out, in] layout); ours are
 lora_a [*I, r] and lora_b [r, *O] (`gemma_jax.lora`). The update is
@@ -20,9 +20,12 @@ import jax
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax import hf, lora, safetensors_io
+from gemma_jax import lora
 from gemma_jax.checkpoints import CheckpointError
 from gemma_jax.checkpoints import directory
+from gemma_jax.checkpoints import gemma
+from gemma_jax.checkpoints import safetensors_io
+from gemma_jax.checkpoints.hf import read_json_object
 from gemma_jax.decoder import stack_layers, unstack_layers
 
 CONFIG_FILE = "adapter_config.json"
@@ -51,7 +54,7 @@ def _hf_module(path: Tuple[str, ...]) -> Tuple[str, int]:
   e.g. "layers.0.self_attn.q_proj"; the kernel's contracted dims)."""
   kernel = path[:-1] + ("kernel",)
   try:
-    tensor = hf._hf_tensor(kernel)   # pylint: disable=protected-access
+    tensor = gemma.stored_tensor(kernel)
   except KeyError:
     tensor = None
   if tensor is None or tensor.in_dims is None or tensor.lead or tensor.part != (0, 1):
@@ -92,7 +95,7 @@ def save(path: str, config: config_dict.ConfigDict, adapters: dict,
   for key, value in flat.items():
     value = np.asarray(jax.device_get(value))
     if key[-1] == "lora_a":   # [*I, r] -> [r, in], as the kernel [*I, *O] -> [out, in]
-      value = hf._to_hf(value, key[:-1] + ("kernel",))[2]   # pylint: disable=protected-access
+      value = gemma.tensor_to_hf(value, key[:-1] + ("kernel",))[2]
     else:                     # [r, *O] -> [out, r]
       value = value.reshape(value.shape[0], -1).T
     tensors[_key(key)] = value
@@ -117,7 +120,7 @@ def save(path: str, config: config_dict.ConfigDict, adapters: dict,
 def _read_config(path: str, config: config_dict.ConfigDict) -> None:
   """Checks adapter_config.json against config.lora and what this mapping implements."""
   file = os.path.join(path, CONFIG_FILE)
-  peft_config = hf.read_json_object(file)
+  peft_config = read_json_object(file)
   for key, allowed in _REQUIRED.items():
     if peft_config.get(key, allowed[0]) not in allowed:
       raise CheckpointError(f"{file}: {key}={peft_config[key]!r} is not supported "
@@ -136,7 +139,7 @@ def _text_name(name: str) -> str:
   if not name.startswith(_PREFIX):
     return name
   rest = name[len(_PREFIX):]
-  prefix = next((p for p in hf._TEXT_PREFIXES if rest.startswith(p)), "")  # pylint: disable=protected-access
+  prefix = next((p for p in gemma.TEXT_PREFIXES if rest.startswith(p)), "")
   return rest[len(prefix):]
 
 
@@ -168,8 +171,8 @@ def load(path: str, config: config_dict.ConfigDict) -> dict:
     if name not in stored:
       raise CheckpointError(f"{file}: no tensor for {name}, which config.lora.targets "
                             f"adapts ({'/'.join(path[:-1])})")
-    tensor = hf._Tensor(name, in_dims if path[-1] == "lora_a" else 1)  # pylint: disable=protected-access
-    value = hf._from_hf(stored.pop(name), tensor, shape.shape)  # pylint: disable=protected-access
+    tensor = gemma.Tensor(name, in_dims if path[-1] == "lora_a" else 1)
+    value = gemma.tensor_from_hf(stored.pop(name), tensor, shape.shape)
     if isinstance(value, str):
       raise CheckpointError(f"{file}: {name} {value}")
     adapters[path] = np.asarray(value, dtype=np.dtype(config.model.param_dtype))

@@ -1,5 +1,5 @@
 """How a vision tower's parameters map onto transformers' tensors: the machinery both
-towers' tables use (gemma_jax/hf_vision.py for Gemma 3's, hf_gemma4_vision.py for
+towers' tables use (gemma_jax/gemma3_tower.py for Gemma 3's, gemma4_tower.py for
 Gemma 4's).
 
 A layout names each of our unrolled paths below the tower (`params["vision"]`, encoder

@@ -6,8 +6,8 @@ error naming its field, never a TypeError where the model is built.
     heads = text.read("num_attention_heads", POSITIVE_INT)
     # FieldError: text_config.num_attention_heads: expected a positive int, got '8'
 
-The readers of each family (gemma_jax.hf, hf_gpt2, hf_vision, hf_gemma4_vision) say
-what they take; their callers turn a FieldError into an error naming the file.
+The readers of each family (`gemma_config`, `gpt2`, `gemma3_tower`, `gemma4_tower`)
+say what they take; their callers turn a FieldError into an error naming the file.
 """
 
 import math

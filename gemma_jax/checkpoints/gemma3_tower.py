@@ -14,8 +14,8 @@ from typing import Mapping
 
 from ml_collections import config_dict
 
-from gemma_jax.hf_fields import COUNT, POSITIVE, POSITIVE_INT, Section, one_of
-from gemma_jax.hf_tower import Tensor as _Tensor, TowerLayout
+from gemma_jax.checkpoints.config_fields import COUNT, POSITIVE, POSITIVE_INT, Section, one_of
+from gemma_jax.checkpoints.tower_layout import Tensor as _Tensor, TowerLayout
 
 _TOWER, _PROJECTOR = "vision_tower.", "multi_modal_projector."
 
@@ -77,7 +77,7 @@ FIELDS = ("enabled", "activation", "tokens_per_image") + tuple(_CONFIG_KEYS) + t
 
 def config_from_hf(hf: dict, activations: Mapping[str, str]) -> dict:
   """A transformers Gemma3Config dict -> our vision fields (`activations`: transformers'
-  activation name -> ours). Raises hf_fields.FieldError (a ValueError) naming a field
+  activation name -> ours). Raises config_fields.FieldError (a ValueError) naming a field
   missing or of the wrong kind."""
   root = Section(hf)
   v = root.section("vision_config")   # (its vision_use_head: Gemma 3 never runs that head)

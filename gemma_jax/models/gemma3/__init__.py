@@ -1,0 +1,2 @@
+"""Gemma 3: its decoder layer (`layer`), SigLIP vision tower (`vision`) and image
+preprocessing (`images`)."""
