@@ -168,10 +168,13 @@ def test_every_block_type_keeps_loss_and_grads_under_remat(policy, block_referen
   np.testing.assert_allclose(remat_loss, loss, rtol=1e-6)
   # Within 1e-4 of each leaf's largest entry: remat recomputes in other fusions, and the
   # MoE's routing and deeper sums carry that float32 reassociation further (up to 5e-5 of
-  # a leaf's scale measured; a wrong residual would be off by its whole size).
+  # a leaf's scale measured; a wrong residual would be off by its whole size). A 1-entry
+  # leaf (Gemma 4's layer_scalar) is one sum over every activation of its layer, whose
+  # terms cancel: within 1e-3 of it (1.8e-4 measured on one Xeon under the suite's -O0
+  # flags, 3e-5 at -O2; today's main failed there at 1e-4).
   jax.tree.map(lambda got, want: np.testing.assert_allclose(
-      got, want, rtol=0, atol=1e-4 * max(float(np.abs(want).max()), 1e-2)),
-               remat_grads, grads)
+      got, want, rtol=0, atol=(1e-3 if want.size == 1 else 1e-4)
+      * max(float(np.abs(want).max()), 1e-2)), remat_grads, grads)
 
 
 @pytest.mark.parametrize("policy, scan_unroll", [("none", "auto"), ("full", "full")])
