@@ -48,10 +48,13 @@ from gemma_jax.training.workdir import WorkdirError
 from gemma_jax.training import loop
 from gemma_jax.training.checkpoints import CheckpointError
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs",
+                              "gemma3_tiny.py")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file (FILE.py or FILE.py:ARGUMENT); default: "
+    "configs/gemma3_tiny.py. --help lists its fields.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
-flags.mark_flags_as_required(["config", "workdir"])
+flags.mark_flags_as_required(["workdir"])
 LOG_FILE = "train.log"
 
 
@@ -74,4 +77,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  apps.run(main)
+  apps.run(main, default_config=os.path.normpath(DEFAULT_CONFIG))

@@ -52,10 +52,15 @@ _COMPILATION_CACHE = flags.DEFINE_string(
 flags.disclaim_key_flags()
 
 
-def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None) -> None:
+def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None,
+        default_config: Optional[str] = None) -> None:
   """absl.app.run(main) with one-line config errors, Ctrl-C as one line and exit status
   130, a quiet console and the compilation cache on. Files being written when Ctrl-C
-  comes are the writers' to keep whole (the training loop stops at its next step)."""
+  comes are the writers' to keep whole (the training loop stops at its next step).
+  `default_config` is the --config file when the command line gives none."""
+  argv = list(sys.argv if argv is None else argv)
+  if default_config and not any(re.fullmatch(r"--?config(=.*)?", arg) for arg in argv[1:]):
+    argv.insert(1, f"--config={default_config}")
   # The app may have set its own handler for the seconds its imports take.
   signal.signal(signal.SIGINT, signal.default_int_handler)
   sys.unraisablehook = _interrupt_again
@@ -209,9 +214,13 @@ def _quietly(main):
   return quiet_main
 
 
+HELP_FLAGS = ("-?", "-h", "-help", "--help", "-helpshort", "--helpshort", "-helpfull",
+              "--helpfull")
+
+
 def parse_flags(argv: List[str]) -> List[str]:
   """FLAGS(argv), as absl's own parser; a bad --config file or override exits with one
-  error line and status 2."""
+  error line and status 2; --help lists the config's fields too, and exits 0."""
   try:
     remaining = FLAGS(argv)
     for name in _config_flags():
@@ -219,6 +228,11 @@ def parse_flags(argv: List[str]) -> List[str]:
       # any attribute, as `lock` here, raises it.
       hasattr(FLAGS[name].value, "lock")
     return remaining
+  except SystemExit:   # absl printed a help flag's text; it exits 1
+    if not any(arg in HELP_FLAGS for arg in argv[1:]):
+      raise
+    print_config_fields(FLAGS.read_flags_from_files(argv[1:], force_gnu=False))
+    sys.exit(0)
   except Exception as error:   # pylint: disable=broad-except
     problem = _config_problem(FLAGS.read_flags_from_files(argv[1:], force_gnu=False), error)
     if problem:
@@ -230,6 +244,32 @@ def parse_flags(argv: List[str]) -> List[str]:
     sys.stderr.write(f"FATAL Flags parsing error: {error}\n"
                      "Pass --helpshort or --helpfull to see help on flags.\n")
     sys.exit(1)
+
+
+def print_config_fields(args: List[str]) -> None:
+  """Each config flag's fields, with the config file's values and what they mean."""
+  notes = config_lib.field_notes()
+  for name in _config_flags():
+    path = _last_value(args, name)
+    try:
+      config = _load(path) if path else config_lib.default_config()
+    except Exception as error:   # pylint: disable=broad-except
+      print(f"\n--{name}={path}: cannot be loaded ({_one_line(str(error))})")
+      continue
+    print(f"\nconfig fields (--{name}.SECTION.FIELD=VALUE), as "
+          f"{path or 'the schema'} sets them:")
+    for field, value in _fields(config):
+      note = notes.get(field, "")
+      print(f"  {field} = {value!r}" + (f"  # {note}" if note else ""))
+
+
+def _fields(config: config_dict.ConfigDict, prefix: str = ""):
+  """(dotted field, value) of every leaf of a config, in its order."""
+  for key, value in config.items():
+    if isinstance(value, config_dict.ConfigDict):
+      yield from _fields(value, f"{prefix}{key}.")
+    else:
+      yield prefix + key, value
 
 
 def _config_flags() -> List[str]:

@@ -1,6 +1,6 @@
 """gemma_jax.apps through tests/apps_fixture.py, run as its own process: a bad --config
-file or override is one stderr line and exit status 2; absl's --help, flag errors and
-UsageError are kept; INFO logging (JAX's backend probing too) only with --verbosity;
+file or override is one stderr line and exit status 2; --help lists the config's
+fields and exits 0; absl's flag errors and UsageError are kept; INFO logging (JAX's backend probing too) only with --verbosity;
 compiled programs are kept for the next run (--compilation_cache_dir)."""
 
 import os
@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import gemma_jax as gj
+from gemma_jax import apps
 
 ROOT = os.path.join(os.path.dirname(__file__), os.pardir)
 FIXTURE = os.path.join(os.path.dirname(__file__), "apps_fixture.py")
@@ -78,9 +79,32 @@ def test_verbosity_brings_back_info_lines():
   assert len(INFO_LINE.findall(err)) >= 2
 
 
+def test_help_lists_the_configs_fields_and_succeeds():
+  """absl's --help exited 1 and listed no config field: now its text, then every field
+  with the config file's value and what the schema says it means, and status 0."""
+  status, out, _ = fixture(CONFIG, "--help")
+  assert status == 0 and "--config: Experiment config file." in out
+  assert "as configs/gemma3_tiny.py sets them:" in out
+  assert "  train.steps = 500  # optimizer steps in the whole run\n" in out
+  assert "  model.remat_policy = 'none'  # name from gemma_jax.remat.POLICIES" in out
+  fields = {line.split(" = ")[0].strip() for line in out.splitlines()
+            if line.startswith("  ") and " = " in line}
+  assert len(fields) == len(list(apps._fields(gj.default_config())))
+  status, out, _ = fixture("--helpfull")   # no config file: the schema's defaults
+  assert status == 0 and "as the schema sets them:" in out and "  train.steps = 1000" in out
+
+
+def test_train_runs_the_tiny_config_when_none_is_given():
+  """The README calls configs/gemma3_tiny.py the default; leaving --config out was a
+  fatal flag error."""
+  result = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "train.py"),
+                           "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          check=False)
+  assert result.returncode == 0, result.stderr
+  assert re.search(r"as \S*configs/gemma3_tiny\.py sets them:", result.stdout)
+
+
 def test_absl_behaviour_is_kept():
-  status, out, _ = fixture("--help")   # absl exits 1 after its help
-  assert status == 1 and "--config: Experiment config file." in out
   status, _, err = fixture(CONFIG, "--stepz=3")
   assert status == 1 and err.startswith("FATAL Flags parsing error: Unknown command line "
                                         "flag 'stepz'")

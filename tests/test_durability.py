@@ -269,12 +269,12 @@ def interrupt(args, when):
 
 
 def test_ctrl_c_at_any_stage_is_one_line_and_status_130_or_a_clean_stop(corpus, tmp_path):
-  """Ctrl-C while importing, loading, compiling, probing the FLOPs, training, and
+  """Ctrl-C while importing, loading, compiling, starting the steps, training, and
   restoring a checkpoint to resume, one run after another in one workdir; a last run
   goes on from what they left and logs each step once."""
   workdir = tmp_path / "run"
   args = [f"--config={write_config_file(tmp_path, corpus, 100000)}", f"--workdir={workdir}",
-          "--config.train.peak_flops=0"]   # 0: the FLOPs probe runs
+          "--config.train.peak_flops=0"]   # 0: the datasheet's, none on a CPU
   records = lambda: (metrics.read_records(str(workdir))
                      if (workdir / metrics.METRICS_FILE).exists() else [])
   # When to send SIGINT, given the time the run started, the records there were then,
@@ -282,7 +282,7 @@ def test_ctrl_c_at_any_stage_is_one_line_and_status_130_or_a_clean_stop(corpus, 
   stages = [
       ("importing", lambda start, logged, out: time.time() > start + 0.3),
       ("loading or compiling", lambda start, logged, out: "data:" in out),
-      ("probing the FLOPs",
+      ("starting the steps",
        lambda start, logged, out: "compiled the train and eval steps" in out),
       ("training", lambda start, logged, out: len(records()) > logged),
       ("restoring", lambda start, logged, out: "data:" in out),

@@ -670,3 +670,47 @@ def test_app_reports_a_missing_data_path_in_one_line(tmp_path):
   assert stderr.strip().splitlines() == [
       "train.py: error: config.data.path: no file matches '/nonexistent/*.txt'"]
   assert not (tmp_path / "run").exists()   # created for the run, which wrote nothing
+
+
+def test_mfu_is_against_a_datasheet_peak_and_absent_on_a_cpu():
+  """The matmul probe at start-up read a CPU's peak under whatever else ran (MFU 13% to
+  72% for one model); an accelerator's datasheet peak is a fixed denominator, and a CPU
+  gets none unless train.peak_flops gives one."""
+  assert flops.datasheet_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+  assert flops.datasheet_peak_flops("NVIDIA H100 PCIe") == 756e12
+  assert flops.datasheet_peak_flops("TPU v5 lite") == 197e12
+  assert flops.datasheet_peak_flops("cpu") is None
+  fetched = [{"loss": 2.0, "learning_rate": 1e-3}]
+  assert "mfu" not in loop._train_record(fetched, 2.0, 1000, 6e6, None)
+  record = loop._train_record(fetched, 2.0, 1000, 6e6, 1e12)
+  assert record["mfu"] == pytest.approx(500 * 6e6 / (1e12 * jax.device_count()))
+
+
+def test_the_progress_bar_counts_steps_the_device_finished():
+  """Its rate counted dispatched steps (74 steps/s at a real 2.5): a step is counted once
+  its loss is ready, and every step dispatched once the metrics are fetched."""
+
+  class Loss:
+    def __init__(self):
+      self.ready = False
+
+    def is_ready(self):
+      return self.ready
+
+  class Bar:
+    n = 0
+
+    def update(self, count=1):
+      self.n += count
+
+  bar = Bar()
+  progress = loop._Progress(bar)
+  losses = [Loss() for _ in range(3)]
+  for loss in losses:
+    progress.dispatched({"loss": loss})
+  assert bar.n == 0
+  losses[0].ready = losses[2].ready = True     # in order: the second still runs
+  progress.dispatched({"loss": Loss()})
+  assert bar.n == 1
+  progress.all_finished()
+  assert bar.n == 4

@@ -6,6 +6,10 @@ that does not exist raises, so a misspelt override is an error and never a silen
 default. `model_config` and the other sections are tables of fields.
 """
 
+import inspect
+import re
+from typing import Dict
+
 from ml_collections import config_dict
 
 ATTENTION_TYPES = ("local", "global")
@@ -234,7 +238,9 @@ def train_config() -> config_dict.ConfigDict:
   c.log_every = 50                        # steps between log lines and metrics.jsonl records
   c.eval_every = 200                      # steps between evaluations (and at the end); 0: end only
   c.eval_batches = 8                      # batches of batch_size eval rows per evaluation
-  c.peak_flops = 0.0                      # device peak FLOP/s for MFU; 0: time a matmul
+  # Device peak FLOP/s for the MFU reported; 0: the datasheet's dense bfloat16 peak of a
+  # known accelerator (training.flops.DATASHEET_PEAK), none reported on a CPU.
+  c.peak_flops = 0.0
   c.progress_bar = True                   # a progress bar with ETA on stderr
   # Start from these weights (the optimizer starts fresh): a transformers save_pretrained
   # directory or a training workdir. The model section comes from the checkpoint.
@@ -304,3 +310,26 @@ def default_config() -> config_dict.ConfigDict:
   c.seed = 0                              # seeds parameter init, data order, dropout
   c.lock()
   return c
+
+
+_SECTIONS = {"model": model_config, "model.vision": vision_config, "data": data_config, "optimizer": optimizer_config,
+             "train": train_config, "lora": lora_config, "checkpoint": checkpoint_config,
+             "sample": sample_config, "mesh": mesh_config}
+_FIELD_LINE = re.compile(r"\s*c\.(\w+) = .*?(?:#\s*(.*))?$")
+
+
+def field_notes() -> Dict[str, str]:
+  """{"model.remat_policy": what the field means, ...}: the comments beside (or just
+  above) each field in this module's section functions, for an app's --help."""
+  notes = {"seed": "seeds parameter init, data order, dropout"}
+  for section, function in _SECTIONS.items():
+    above = []
+    for line in inspect.getsource(function).splitlines():
+      if line.strip().startswith("#"):
+        above.append(line.strip()[1:].strip())
+        continue
+      match = _FIELD_LINE.match(line)
+      if match:
+        notes[f"{section}.{match[1]}"] = " ".join(above + [match[2] or ""]).strip()
+      above = []
+  return notes

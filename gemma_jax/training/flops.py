@@ -1,4 +1,5 @@
-"""Model FLOPs per trained token, and a device's peak FLOP/s measured by a matmul.
+"""Model FLOPs per trained token, and a device's peak FLOP/s: its datasheet's, or
+measured by a matmul.
 
 MFU = tokens/s * training_flops_per_token / (peak FLOP/s * devices). The count is of
 the model's useful work (PaLM's convention): 6 FLOPs per matmul parameter per token
@@ -9,6 +10,7 @@ counted; recomputation by remat is not counted either.
 """
 
 import time
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +47,21 @@ def training_flops_per_token(config: config_dict.ConfigDict, seq_len: int,
     attention += 2 * 2 * config.num_heads * attention_shape(config, kind)[1] * keys
   per_base_param = 4 if adapter_params else 6
   return per_base_param * matmul_params(config) + 6.0 * adapter_params + 3.0 * attention
+
+
+# Dense bfloat16 peak FLOP/s of an accelerator, by a substring of its JAX device_kind
+# (datasheets; the first match wins): the denominator of the MFU a run reports. A CPU has
+# none: its rate is not a fixed property of the machine the run shares.
+DATASHEET_PEAK = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12),
+                  ("A100", 312e12), ("TPU v4", 275e12), ("TPU v5 lite", 197e12),
+                  ("TPU v5p", 459e12), ("TPU v6 lite", 918e12))
+
+
+def datasheet_peak_flops(device_kind: Optional[str] = None) -> Optional[float]:
+  """The datasheet's dense bfloat16 peak FLOP/s of a device (default: JAX's first
+  device), or None for a device not in DATASHEET_PEAK (every CPU)."""
+  kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+  return next((peak for name, peak in DATASHEET_PEAK if name in kind), None)
 
 
 def square_matmul(size: int, dtype: str = "float32"):
