@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import gemma_jax as gj
 from gemma_jax import apps
 
@@ -46,6 +48,7 @@ def test_a_field_with_no_close_name_lists_the_fields():
       f"its fields are {fields}\n"))
 
 
+@pytest.mark.slow
 def test_a_value_of_the_wrong_type_is_one_line():
   assert fixture(CONFIG, "--config.train.steps=abc") == (2, "", (
       "apps_fixture.py: error: --config.train.steps: expects an int, got 'abc'\n"))
@@ -54,6 +57,7 @@ def test_a_value_of_the_wrong_type_is_one_line():
       "not a section with fields\n"))
 
 
+@pytest.mark.slow
 def test_a_config_file_that_does_not_load_is_one_line(tmp_path):
   assert fixture("--config=configs/missing.py", "--config.train.steps=1") == (2, "", (
       "apps_fixture.py: error: --config=configs/missing.py: no such file\n"))
@@ -66,11 +70,13 @@ def test_a_config_file_that_does_not_load_is_one_line(tmp_path):
       "name 'undefined_name' is not defined\n"))
 
 
+@pytest.mark.slow
 def test_a_correct_override_reaches_main_and_the_console_stays_quiet():
   status, out, err = fixture(CONFIG, "--config.train.steps=7")
   assert (status, out, err) == (0, "steps=7 on cpu\n", "")
 
 
+@pytest.mark.slow
 def test_verbosity_brings_back_info_lines():
   status, out, err = fixture(CONFIG, "--verbosity=0")
   assert (status, out) == (0, "steps=500 on cpu\n")
@@ -104,6 +110,7 @@ def test_train_runs_the_tiny_config_when_none_is_given():
   assert re.search(r"as \S*configs/gemma3_tiny\.py sets them:", result.stdout)
 
 
+@pytest.mark.slow
 def test_absl_behaviour_is_kept():
   status, _, err = fixture(CONFIG, "--stepz=3")
   assert status == 1 and err.startswith("FATAL Flags parsing error: Unknown command line "
@@ -114,6 +121,7 @@ def test_absl_behaviour_is_kept():
   assert status == 1 and err.rstrip().endswith("unexpected arguments: ['surplus']")
 
 
+@pytest.mark.slow
 def test_a_second_run_loads_the_compiled_program_from_the_cache(tmp_path):
   cache = tmp_path / "xla"
   runs = [fixture(CONFIG, "--compile", f"--compilation_cache_dir={cache}") for _ in range(2)]
@@ -122,6 +130,7 @@ def test_a_second_run_loads_the_compiled_program_from_the_cache(tmp_path):
   assert any(cache.iterdir())
 
 
+@pytest.mark.slow
 def test_the_default_cache_is_jax_s_own_setting_else_under_the_user_cache(tmp_path):
   own = tmp_path / "own"
   assert fixture(CONFIG, "--compile", env={"JAX_COMPILATION_CACHE_DIR": str(own)}) == (
@@ -134,6 +143,7 @@ def test_the_default_cache_is_jax_s_own_setting_else_under_the_user_cache(tmp_pa
   assert any(own.iterdir())
 
 
+@pytest.mark.slow
 def test_an_empty_cache_dir_turns_the_cache_off(tmp_path):
   env = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path)}
   assert [fixture(CONFIG, "--compile", "--compilation_cache_dir=", env=env)

@@ -29,6 +29,7 @@ def small(preset, **model):
   return config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, model", [
     ("gemma3-tiny", {}),
     ("gemma3-tiny", dict(scan_layers=False)),
@@ -53,6 +54,7 @@ def test_extend_equals_a_full_recomputation(preset, model):
     np.testing.assert_array_equal(cache.next_position, [end, end])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, cache_dtype, atol, passes_of", [
     ("gemma3-tiny", "float32", 2e-5, 512),
     ("gemma4-tiny", "float32", 2e-5, 512),
@@ -91,6 +93,7 @@ def test_extend_past_the_caches_capacity_equals_decoding_token_by_token(
                    chunked.layers, stepped.layers)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, passes_of", [
     ("gemma3-tiny", 512),
     ("gemma3-tiny", 5),
@@ -191,6 +194,7 @@ def greedy_conversation(config, params, tokenizer, system, questions, max_new_to
   return ids, replies, sampled
 
 
+@pytest.mark.slow
 def test_session_keeps_one_cache_and_equals_a_full_recomputation():
   config = small("gemma3-tiny", vocab_size=261)
   params = chatty_params(config)
@@ -307,6 +311,7 @@ def test_a_reply_interrupted_while_reading_a_token_keeps_ids_and_cache_in_step(m
   np.testing.assert_allclose(session.logits, full, atol=3e-5)
 
 
+@pytest.mark.slow
 def test_a_sampled_reply_draws_from_the_full_forwards_logits():
   """temperature, top-k and top-p: each token is `sampling.choose` of the full forward's
   logits over the conversation so far, with the seed's key split once a token; the
@@ -395,6 +400,7 @@ def test_a_reply_left_early_keeps_the_conversation_and_the_cache_in_step():
   np.testing.assert_allclose(session.logits, full, atol=3e-5)
 
 
+@pytest.mark.slow
 def test_chat_app_reads_turns_from_a_pipe(tmp_path):
   """experiments/chat.py with piped input: each line a turn, the replies greedy over one
   conversation, /reset a new one, /quit the end (the line after it is never read)."""
@@ -414,6 +420,7 @@ def test_chat_app_reads_turns_from_a_pipe(tmp_path):
                            "> /quit\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--top_p=0"], "top_p must lie in (0, 1] (1: all tokens), got 0.0"),
     (["--max_length=128"],   # the default 256 new tokens: no message could ever fit

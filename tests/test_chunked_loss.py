@@ -183,6 +183,7 @@ def model_case(request):
   return config, tokens, weights, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_model_loss_matches_optax_over_apply(model_case, chunks, monkeypatch):
   config, tokens, weights, params = model_case
@@ -217,6 +218,7 @@ def test_negative_targets_count_as_weight_zero(model_case):
   assert float(got.weight) == (~ignored).sum()
 
 
+@pytest.mark.slow
 def test_default_targets_are_each_rows_next_tokens(model_case):
   """model.loss(params, tokens): the next-token cross-entropy over the row's own length,
   against optax over `apply`'s logits of the same rows, the last position unscored."""

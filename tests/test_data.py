@@ -189,6 +189,7 @@ def test_batch_positions_targets_and_weights_match_a_loop_reference():
       weights=np.float32)
 
 
+@pytest.mark.slow
 def test_packed_row_logits_equal_each_document_alone():
   config = gj.get_config("gemma3-tiny")
   config.model.update(dict(vocab_size=260, d_model=32, num_heads=2, num_kv_heads=1,

@@ -5,6 +5,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import gemma_jax as gj
 from gemma_jax.inference import decode_jit, decoding, sampler
@@ -46,6 +47,7 @@ class NestedTest(chex.TestCase):
     chex.assert_shape(jax.eval_shape(f, x), (2,))
 
 
+@pytest.mark.slow
 def test_generate_compiles_without_it_and_decodes_the_same():
   """`sampler.generate` (which `Sampler` compiles) on a CPU: no reduce-windows, and the
   greedy tokens of the same function under a plain jax.jit."""

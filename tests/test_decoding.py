@@ -67,6 +67,7 @@ def model(request):
   return config, random_params(config)
 
 
+@pytest.mark.slow
 def test_prefill_then_decode_equals_the_full_forward(model):
   """Rows of 9, 3 and 6 prompt tokens then 7 steps each (window 4): every logit equals the
   full forward's at that position, whatever the other rows' lengths."""
@@ -107,6 +108,7 @@ def test_prefill_then_decode_equals_the_full_forward(model):
     np.testing.assert_array_equal(np.sort(positions, axis=1), np.sort(latest, axis=1))
 
 
+@pytest.mark.slow
 def test_long_prompts_prefill_in_blocks_like_the_dense_masks(model):
   """Prompts of 530 and 300 tokens, over 2 x the window and the longer over two causal
   blocks: the prefill attends in blocks (no value in its program is T x T, neither a
@@ -201,6 +203,7 @@ def test_cache_bytes_of_gemma3_27b_at_128k():
   assert got["full_length"] / got["cache"] > 5.9
 
 
+@pytest.mark.slow
 def test_prompts_with_images_decode_like_the_full_forward():
   """A row with one image (and a padding image) and a row with two: prefill with the
   images, then 4 text steps, equal the full forward given the same images."""

@@ -54,6 +54,7 @@ def run_copy(saved_run, tmp_path):
 
 # 3. metrics.jsonl: records whole, a torn last line dropped.
 
+@pytest.mark.slow
 def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(corpus, run_copy, caplog):
   """A run killed mid-write left half a record: the resume used to end in a bare
   JSONDecodeError; now it drops that half, says so naming the file, and logs step 3."""
@@ -70,6 +71,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume_with_a_warning(corpus, ru
   assert len(warnings) == 1 and str(path) in warnings[0]
 
 
+@pytest.mark.slow
 def test_a_record_cut_short_by_a_file_size_limit_leaves_whole_lines(tmp_path):
   """Under a file size limit that cuts the 4th record (a full disk), the write fails
   with the OS error naming the file, the file keeps the 3 whole records, and the next
@@ -106,6 +108,7 @@ def largest_file(directory):
   return max((p for p in directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
+@pytest.mark.slow
 def test_flipped_bytes_in_a_checkpoint_name_the_step_the_file_and_the_intact_step(corpus,
                                                                                 run_copy):
   """Bytes flipped in step 2's largest array file had loaded silently; the resume now
@@ -153,6 +156,7 @@ def test_a_step_saved_without_checksums_is_restored_with_a_warning(corpus, run_c
              for r in caplog.records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("position, problem", [
     ({}, "the data position {} has no next_row"),
     ({"next_row": -8, "seed": 0, "rows": 10}, "has next_row -8, not an int >= 0"),
@@ -184,6 +188,7 @@ def test_a_bad_saved_data_position_is_one_error(corpus, run_copy, position, prob
 
 # 10. A full disk during a save: one line naming the path and the OS error.
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_the_detail_goes_to_the_log(corpus, tmp_path):
   """Files capped at 100 kB (Python ignores SIGXFSZ, so writes fail with EFBIG): orbax
   fails to write step 1's arrays, in hundreds of lines of tracebacks from its threads;
@@ -268,6 +273,7 @@ def interrupt(args, when):
   return process.returncode, "".join(out), "".join(err)
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_stage_is_one_line_and_status_130_or_a_clean_stop(corpus, tmp_path):
   """Ctrl-C while importing, loading, compiling, starting the steps, training, and
   restoring a checkpoint to resume, one run after another in one workdir; a last run

@@ -52,6 +52,7 @@ def numpy_loss(config, params, rows):
   return total / weight, weight
 
 
+@pytest.mark.slow
 def test_evaluate_equals_numpy_and_the_training_loops_evaluation(trained):
   workdir, summary = trained
   config = workdir_lib.load_config(workdir)
@@ -67,6 +68,7 @@ def test_evaluate_equals_numpy_and_the_training_loops_evaluation(trained):
   np.testing.assert_allclose(figures["perplexity"], np.exp(expected), rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [64, 5])
 def test_evaluate_pads_fewer_rows_than_it_has_batches(trained, monkeypatch, batch_size):
   """A batch size past the row count runs the rows alone, and an uneven split spreads
@@ -95,6 +97,7 @@ def test_evaluate_pads_fewer_rows_than_it_has_batches(trained, monkeypatch, batc
   assert max(shapes) <= batch_size and 0 <= sum(shapes) - n < len(shapes), (n, shapes)
 
 
+@pytest.mark.slow
 def test_eval_app_prints_a_table_and_writes_json(trained, tmp_path):
   workdir, _ = trained
   out = tmp_path / "figures.json"
@@ -115,6 +118,7 @@ def test_eval_app_prints_a_table_and_writes_json(trained, tmp_path):
       f"{figures['loss']:.4f} | {figures['perplexity']:.3f} |" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_quantized_evaluation_is_named_and_kept_beside_the_float_one(trained):
   workdir, _ = trained
   run = lambda *flags: subprocess.run([sys.executable, "experiments/eval.py",
@@ -130,6 +134,7 @@ def test_a_quantized_evaluation_is_named_and_kept_beside_the_float_one(trained):
   assert abs(quantized["loss"] / plain["loss"] - 1) < 0.01
 
 
+@pytest.mark.slow
 def test_eval_app_on_a_transformers_directory_writes_json_only_when_asked(trained, tmp_path):
   """The figures of --hf_dir went to ./eval.json, into whatever directory the user was in."""
   workdir, _ = trained
@@ -146,6 +151,7 @@ def test_eval_app_on_a_transformers_directory_writes_json_only_when_asked(traine
   assert "eval.json" not in os.listdir(hf_dir)
 
 
+@pytest.mark.slow
 def test_eval_app_names_a_missing_workdir_not_the_json_beside_it(tmp_path):
   result = subprocess.run([sys.executable, "experiments/eval.py",
                            f"--workdir={tmp_path / 'none'}", f"--data={CHAT}"], cwd=REPO,
@@ -155,6 +161,7 @@ def test_eval_app_names_a_missing_workdir_not_the_json_beside_it(tmp_path):
   assert len(lines) == 1 and "is not a training workdir" in lines[0], result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--data=/nowhere/*.jsonl"], "error: --data: no file matches '/nowhere/*.jsonl'"),
     (["--format=chat", "--data=README.md"], "error: --format: "),
@@ -172,6 +179,7 @@ def test_eval_app_bad_data_is_one_error_line(trained, flags, message):
       result.stderr
 
 
+@pytest.mark.slow
 def test_eval_app_on_a_workdir_without_checkpoint_is_one_error_line(tmp_path):
   config = gj.get_config("gemma3-tiny")
   workdir_lib.save_config(str(tmp_path), config)

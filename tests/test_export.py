@@ -67,6 +67,7 @@ def torch_logits(model, tokens):
     return model(torch.as_tensor(tokens).long()).logits.numpy()
 
 
+@pytest.mark.slow
 def test_exported_model_and_adapters_give_our_logits_in_transformers_and_peft(route):
   config, params, _ = init_from.load_model(workdir=str(route / "lora"))
   tokens = np.random.RandomState(0).randint(0, 300, (2, 21)).astype(np.int32)
@@ -85,6 +86,7 @@ def test_exported_model_and_adapters_give_our_logits_in_transformers_and_peft(ro
   np.testing.assert_allclose(torch_logits(auto, tokens), ours, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_an_export_refuses_a_directory_of_the_other_kind(route):
   """Adapters written beside a model load onto it in transformers, silently: the base
   would no longer be the base. A model written over adapters deletes their weights (an
@@ -99,6 +101,7 @@ def test_an_export_refuses_a_directory_of_the_other_kind(route):
     assert sorted(os.listdir(out)) == before
 
 
+@pytest.mark.slow
 def test_qlora_export_merges_the_adapters_into_the_float_base(tmp_path):
   """QLoRA trains adapters over an int4 copy of the base; transformers reads float weights,
   so the export merges them into the float base: it computes what peft computes with the
@@ -114,6 +117,7 @@ def test_qlora_export_merges_the_adapters_into_the_float_base(tmp_path):
   np.testing.assert_allclose(torch_logits(exported, tokens), with_adapters, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_exported_directory_samples_and_tokenizes_as_the_run(route):
   directory = route / "lora_hf"
   generation = json.loads((directory / "generation_config.json").read_text())
@@ -130,6 +134,7 @@ def test_exported_directory_samples_and_tokenizes_as_the_run(route):
   assert from_export.stdout.splitlines()[0] == from_workdir.stdout.splitlines()[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make, flags, message", [
     (lambda w: None, [], "is not a training workdir"),
     (lambda w: (workdir_lib.save_config(str(w), gj.get_config("gemma3-tiny")),
@@ -156,6 +161,7 @@ def _files(path):
           for folder, _, names in os.walk(path) for name in names}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--overwrite"], ["--peft", "--overwrite"]])
 def test_export_never_writes_over_the_base_the_run_adapts(route, flags):
   """`--out` naming the run's own train.init_from replaced the base with the merged
@@ -171,6 +177,7 @@ def test_export_never_writes_over_the_base_the_run_adapts(route, flags):
   assert _files(base) == before
 
 
+@pytest.mark.slow
 def test_export_writes_only_where_it_is_its_own(route, tmp_path):
   """A directory of other files lost them (every *.safetensors, pytorch_model*.bin and
   config.json went): refused in one line with nothing touched; --overwrite replaces it

@@ -82,6 +82,7 @@ def checkpoint(request, tmp_path_factory):
   return saved_checkpoint(request.param, SHAPES[request.param], tmp_path_factory)
 
 
+@pytest.mark.slow
 def test_loaded_logits_match_transformers(checkpoint):
   name, _, path, expected = checkpoint
   config, params = gj.hf.load(path, scan_layers=name != "dense_7_layers_k_eq_v_mqa")
@@ -90,6 +91,7 @@ def test_loaded_logits_match_transformers(checkpoint):
   assert np.abs(ours - expected).max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_save_round_trip_through_transformers(checkpoint, tmp_path):
   _, model, path, expected = checkpoint
   config, params = gj.hf.load(path)
@@ -160,6 +162,7 @@ HF_SHAPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HF_SHAPES))
 def test_parameter_count_matches_transformers(name):
   shape = dict(dict(vocab_size=262144, head_dim=256, global_head_dim=512, sliding_window=1024,
@@ -203,6 +206,7 @@ def test_image_spans_are_bidirectional_in_local_layers_only():
                                 & same_segment)
 
 
+@pytest.mark.slow
 def test_presets_keep_multiplicative_scales_out_of_weight_decay():
   """Gemma 4's norms, router scales and per-layer scalars start at 1 (decay would pull
   them to 0); kernels, expert weights and the tables are decayed."""

@@ -129,6 +129,7 @@ def test_the_budget_nested_in_processor_config_is_read_and_written_as_transforme
       "processor_class"] == "Gemma4Processor"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [True, False], ids=["scanned", "unrolled"])
 def test_logits_match_transformers(scan):
   """Two images in row 0, one in row 1 (its second image slot empty), three aspect
@@ -193,6 +194,7 @@ def test_audio_is_refused_unless_skipped(tmp_path):
 NEW = 12
 
 
+@pytest.mark.slow
 def test_greedy_decoding_with_images_equals_transformers_generate():
   """Prefill with two images (row 0) and one (row 1), then 12 greedy tokens: the rows
   run past the 40-token window; each equals transformers' generate of that row alone."""
@@ -235,6 +237,7 @@ def test_image_spans_are_bidirectional_in_local_layers_only():
   assert small.bidirectional_span_types == ()            # the small models: causal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", ["e2b", "e4b"])
 def test_vision_preset_parameter_counts_match_transformers(size):
   """The small models' text (test_gemma4_small's shapes) plus transformers' default
@@ -322,6 +325,7 @@ def test_config_fields_of_the_tower_are_checked():
     gj.config.validate(config)
 
 
+@pytest.mark.slow
 def test_training_on_generated_images_keeps_the_constants():
   """AdamW with weight decay (the preset's exclusions) on rows whose text after each
   image names its brightness: the loss falls, the tower learns, and its clip bounds

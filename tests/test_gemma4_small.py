@@ -59,6 +59,7 @@ def checkpoint(request, tmp_path_factory):
   return saved_checkpoint(request.param, SHAPES[request.param], tmp_path_factory)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_loaded_logits_match_transformers(checkpoint, scan_layers):
   _, model, path, expected = checkpoint
@@ -75,6 +76,7 @@ def test_loaded_logits_match_transformers(checkpoint, scan_layers):
   assert np.abs(ours - expected).max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_save_round_trip_through_transformers(checkpoint, tmp_path):
   _, model, path, _ = checkpoint
   torch_reference.assert_save_round_trip(model, path, str(tmp_path),
@@ -110,6 +112,7 @@ def test_key_value_weights_of_shared_layers_in_a_checkpoint_are_skipped(tmp_path
 NEW = 14
 
 
+@pytest.mark.slow
 def test_greedy_decoding_equals_transformers_generate(tmp_path):
   """PLE + shared key/value layers (both types) + double-wide MLPs, window 4; rows of 9,
   3 and 6 prompt tokens and 14 new ones: past the window in every row."""
@@ -136,6 +139,7 @@ def test_greedy_decoding_equals_transformers_generate(tmp_path):
       f"layers_{i}" for i in range(6)]          # layers 6..11 hold no cache
 
 
+@pytest.mark.slow
 def test_shared_layers_hold_no_cache_bytes():
   """gemma4-e2b at 32k positions: 20 of 35 layers shared (16 local, 4 global)."""
   config = gj.get_config("gemma4-e2b")
@@ -171,6 +175,7 @@ HF_SHAPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HF_SHAPES))
 def test_parameter_count_matches_transformers(name):
   shape = dict(dict(vocab_size=262144, head_dim=256, global_head_dim=512, sliding_window=512,
@@ -206,6 +211,7 @@ def small_model(**fields):
               double_wide_mlp=True, **fields)
 
 
+@pytest.mark.slow
 def test_sharded_loss_and_gradients_equal_one_device():
   """A PLE + shared key/value model on fsdp4 x tensor2 against one device, in one step.
 
@@ -241,6 +247,7 @@ def test_sharded_loss_and_gradients_equal_one_device():
   assert table.spec == jax.sharding.PartitionSpec("tensor", "fsdp")
 
 
+@pytest.mark.slow
 def test_train_py_trains_a_ple_model(tmp_path):
   """configs/gemma3_tiny.py:gemma4-e2b-tiny through experiments/train.py on the embedded
   corpus (the standard library's source), shortened to 8 steps with a sample at the end."""
@@ -280,6 +287,7 @@ def test_small_model_fields_need_gemma4():
     gj.validate(config)
 
 
+@pytest.mark.slow
 def test_activation_statistics_name_layers_of_both_scanned_segments():
   """gemma4-e2b-tiny scanned (layers 5..9 in shared_blocks) against unrolled."""
   models = {}

@@ -192,6 +192,7 @@ def test_remat_keeps_output_and_gradients():
       assert not np.any(grad), path
 
 
+@pytest.mark.slow
 def test_init_layout_and_logical_axes():
   for scan in (True, False):
     boxed = tower(True, scan).init(jax.random.key(0), jnp.zeros((1, 8, 48)),

@@ -218,6 +218,7 @@ def gpt3_params(v, p, d, layers, n, h, f):
   return v * d + p * d + layers * layer + 2 * d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,shape", [
     ("gpt3-52k", (1024, 2048, 16, 1, 2, 8, 64)),
     ("gpt3-6b", (32768, 16384, 3072, 48, 12, 256, 12288)),
@@ -256,6 +257,7 @@ def test_config_errors_name_the_field(update, field):
 
 # Training.
 
+@pytest.mark.slow
 def test_gpt3_52k_config_trains_and_logs_activation_statistics(corpus, tmp_path):
   spec = importlib.util.spec_from_file_location("gpt3_52k", os.path.join(REPO, "configs",
                                                                          "gpt3_52k.py"))

@@ -63,6 +63,7 @@ def checkpoint(request, tmp_path_factory):
   return model, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_loaded_logits_match_transformers(checkpoint, scan_layers):
   model, path = checkpoint
@@ -72,6 +73,7 @@ def test_loaded_logits_match_transformers(checkpoint, scan_layers):
   assert np.abs(np.asarray(ours) - torch_logits(model, tokens)).max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_loss_and_table_gradient_match_transformers_labels_loss(checkpoint, monkeypatch):
   """`model.loss` over chunks of 5 positions (the soft-capped shape included) against
   transformers' own `labels=` loss and its autograd gradient of the tied table."""
@@ -97,6 +99,7 @@ def test_loss_and_table_gradient_match_transformers_labels_loss(checkpoint, monk
   assert np.abs(our_grad - their_grad).max() <= 1e-4 * np.abs(their_grad).max()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_load_onto_a_mesh_reads_each_device_part_alone(checkpoint, scan_layers, monkeypatch):
   """hf.load(shardings=...) on 8 devices (fsdp 4 x tensor 2; fsdp 8 for one kv head)
@@ -136,12 +139,14 @@ def test_load_onto_a_mesh_reads_each_device_part_alone(checkpoint, scan_layers, 
     np.testing.assert_array_equal(np.asarray(ours), whole)
 
 
+@pytest.mark.slow
 def test_packed_segments_equal_separate_documents(checkpoint):
   """A row packing two documents gives each the logits transformers gives it alone."""
   model, path = checkpoint
   assert torch_reference.packed_row_gap(model, path, VOCAB) <= 1e-4
 
 
+@pytest.mark.slow
 def test_save_round_trip_through_transformers(checkpoint, tmp_path):
   model, path = checkpoint
   torch_reference.assert_save_round_trip(model, path, str(tmp_path / "saved"),

@@ -47,6 +47,7 @@ def peft_logits(model, tokens):
   return torch_reference.torch_logits(model, tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset, model, targets", [
     ("gemma3-tiny", GEMMA3, None), ("gemma4-tiny", GEMMA4, None),
     ("gemma4-moe-tiny", GEMMA4, None),

@@ -9,6 +9,7 @@ import platform
 import subprocess
 import sys
 
+import pytest
 
 from gemma_jax import host_memory
 from test_training import REPO
@@ -57,6 +58,7 @@ def second_time_faults(mode: str = "import", **environment):
 GLIBC = platform.libc_ver()[0] == "glibc"
 
 
+@pytest.mark.slow
 def test_keep_freed_memory_stops_a_freed_block_faulting_in_again():
   if not GLIBC:                                     # musl, macOS: nothing to set, nothing set
     assert host_memory.keep_freed_memory() is False
@@ -67,6 +69,7 @@ def test_keep_freed_memory_stops_a_freed_block_faulting_in_again():
   assert kept < pages / 50, (kept, pages)           # reused: almost no faults
 
 
+@pytest.mark.slow
 def test_importing_gemma_jax_keeps_freed_memory_where_the_cpu_runs_jax(monkeypatch):
   """With JAX_PLATFORMS=cpu the import alone sets it; with a GPU named first, or the
   opt-out, it leaves malloc alone."""

@@ -119,6 +119,7 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_naming_the_holder(tmp_path,
     pass
 
 
+@pytest.mark.slow
 def test_training_from_a_transformers_checkpoint_starts_from_its_weights(
     hf_checkpoint, corpus, tmp_path):
   model, path = hf_checkpoint
@@ -154,6 +155,7 @@ def test_training_from_a_transformers_checkpoint_starts_from_its_weights(
   assert start["step"] == 0 and start["eval_loss"] == summary["start_eval_loss"]
 
 
+@pytest.mark.slow
 def test_weights_load_straight_onto_a_mesh(hf_checkpoint, corpus, tmp_path):
   """base_params(config, mesh) of a transformers directory and of a LoRA workdir trained
   from it (restored onto the mesh, adapters merged) equal the host load, laid out by the
@@ -229,6 +231,7 @@ def test_init_from_a_path_that_is_no_checkpoint_is_one_error(corpus, tmp_path, f
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_workdir_with_checkpoints_resumes_instead_of_reading_init_from(
     hf_checkpoint, corpus, tmp_path):
   _, path = hf_checkpoint
@@ -248,6 +251,7 @@ def test_a_workdir_with_checkpoints_resumes_instead_of_reading_init_from(
   assert "init_from is read only for a new run" in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,message", [
     ("--config.model.num_layers=5", "config.model.num_layers: 5 contradicts"),
     ("--noconfig.model.norm_plus_one", "config.model.norm_plus_one: False contradicts"),
@@ -269,6 +273,7 @@ def test_train_app_names_a_contradicting_model_flag_in_one_line(hf_checkpoint, t
   assert len(lines) == 1 and f"{message} the checkpoint" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_a_lora_run_keeps_the_step_of_the_workdir_it_adapts(corpus, tmp_path):
   """LoRA over a training workdir's weights, whose run then trains on: the LoRA model, as
   the apps load it and as its run resumes, stays over the step it was trained on (it

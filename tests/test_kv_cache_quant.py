@@ -76,6 +76,7 @@ def model():
   return config, random_params(config)
 
 
+@pytest.mark.slow
 def test_int8_decoding_equals_a_full_forward_with_rounded_keys_and_values(model, monkeypatch):
   """One-token prompts, then 15 decode steps (window 4: the local rings wrap three
   times): every key and value goes through a decode step's write, so each step's logits
@@ -109,6 +110,7 @@ def test_int8_decoding_equals_a_full_forward_with_rounded_keys_and_values(model,
     assert entry["k_scale"].dtype == jnp.float32
 
 
+@pytest.mark.slow
 def test_int8_cache_logits_stay_close_to_the_float_cache(model):
   """Rows of 9, 3 and 6 prompt tokens (the prefill's keys rounded once after it) and 7
   steps: logits within 0.15 of the float cache's (measured 0.070, logits up to 10)."""
@@ -168,6 +170,7 @@ def trained():
   return config, state.params, held_out
 
 
+@pytest.mark.slow
 def test_int8_cache_keeps_greedy_decoding_of_a_trained_model(trained):
   """The issue's bar, 8 held-out prompts x 128 new tokens.
 
@@ -216,6 +219,7 @@ def test_int8_cache_keeps_greedy_decoding_of_a_trained_model(trained):
 
 # Planning and bad input.
 
+@pytest.mark.slow
 def test_int8_cache_bytes_of_gemma3_1b_at_32k():
   """26 layers (4 global, 22 local of window 512), one key/value head of 256: per position
   and layer, keys and values of 256 int8 bytes plus a float32 scale, against 512 bytes

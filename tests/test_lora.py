@@ -99,6 +99,7 @@ def test_scanned_equals_unrolled():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fresh_adapters_change_nothing_and_merge_equals_adapters():
   config = lora_config()
   params = gj.transform(config).init(jax.random.key(0), tokens())
@@ -116,6 +117,7 @@ def test_fresh_adapters_change_nothing_and_merge_equals_adapters():
   print("merge max-abs diff:", float(np.abs(plain.apply(merged, tokens()) - with_adapters).max()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("remat_policy", ["none", "full"])
 def test_adapter_gradients_follow_the_merged_kernel(remat_policy):
   """grad wrt the adapters (the base frozen, passed separately) against the chain rule
@@ -205,6 +207,7 @@ def test_targets_select_projections():
   assert {path[-2] for path in shapes} == {"q", "v"}
 
 
+@pytest.mark.slow
 def test_sharded_forward_and_gradients_on_8_devices():
   """param_specs name the adapters' axes; on a fsdp 4 x tensor 2 mesh the forward and the
   adapters' gradients equal one device's."""
@@ -244,6 +247,7 @@ def gemma3_1b_adapter_count(rank):
   return layers * rank * per_layer
 
 
+@pytest.mark.slow
 def test_init_adapters_materialises_only_the_adapters():
   """gemma3-1b, rank 16: the compiled init holds the adapters and little else, far below
   the 4 GB of the float32 base it never builds."""
@@ -266,6 +270,7 @@ def test_init_adapters_materialises_only_the_adapters():
       adapters).items() if path[-1] == "lora_a")
 
 
+@pytest.mark.slow
 def test_plan_counts_adapter_gradients_and_optimizer_state_only():
   """gemma3-1b on one device, rank 16: the base stays in the plan's params (frozen, in
   param_dtype), gradients and Adam's two float32 moments cover the adapters only."""

@@ -123,6 +123,7 @@ def remat_reference():
   return toks, params, jax.jit(jax.value_and_grad(loss_fn(model, toks)))(params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", sorted(p for p in remat.POLICIES if p != "none"))
 @pytest.mark.parametrize("scan_unroll", ["auto", "full"])
 def test_remat_policy_keeps_loss_and_grads(policy, scan_unroll, remat_reference):
@@ -152,6 +153,7 @@ def block_reference(request):
           jax.jit(jax.value_and_grad(loss_fn(model, toks)))(params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "minimal", "save_dot_except_mlp"])
 def test_every_block_type_keeps_loss_and_grads_under_remat(policy, block_reference):
   preset, toks, params, (loss, grads) = block_reference
@@ -177,6 +179,7 @@ def test_every_block_type_keeps_loss_and_grads_under_remat(policy, block_referen
       * max(float(np.abs(want).max()), 1e-2)), remat_grads, grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, scan_unroll", [("none", "auto"), ("full", "full")])
 def test_norm_gradient_kernel_keeps_loss_and_grads(policy, scan_unroll, remat_reference):
   """Every norm's gradient as the Pallas kernel (a single GPU's path; here in Pallas's
@@ -290,6 +293,7 @@ def _layer_calls(fn, *args) -> list:
   return calls
 
 
+@pytest.mark.slow
 def test_layers_of_one_kind_are_traced_once():
   """Lowering traces one layer per attention type: 8 unscanned layers (7 local, 1
   global) are 8 calls of 2 traces. Under a method interceptor, whose effect may depend on
@@ -313,6 +317,7 @@ def test_layers_of_one_kind_are_traced_once():
   assert list(state["intermediates"]) == ["layers_3"]   # a path-dependent capture too
 
 
+@pytest.mark.slow
 def test_random_draws_do_not_depend_on_trace_sharing():
   """nn.jit forks the keys of the layers it wraps, so layers that draw random numbers
   (init, dropout) never share traces: a seed draws the same parameters and dropout masks
@@ -373,6 +378,7 @@ def test_fused_kernel_takes_causal_masks_with_their_structure():
   np.testing.assert_allclose(fused, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_rows_of_one_document_reach_the_fused_kernel_as_structure_alone():
   """Without segment_ids (one document per row) cuDNN's fused kernel gets each causal
   layer's mask by its structure alone, no [B, T, T] array: `CausalMask(None, window)`.
@@ -509,6 +515,7 @@ def test_dropout_mask_is_shared_along_the_length(block_type):
   np.testing.assert_allclose(np.where(zero, 0, kept * 2), dropped, rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gemma3-tiny", "gpt3-52k"])
 def test_jax_attention_kernel_matches_einsum(preset):
   """attention_kernel="jax" (jax.nn.dot_product_attention; XLA's on the CPU) gives the
@@ -530,6 +537,7 @@ def test_jax_attention_kernel_matches_einsum(preset):
   chex.assert_trees_all_close(results["jax"], results["einsum"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gemma3-tiny", "gemma4-tiny", "gemma4-moe-tiny",
                                     "gpt3-52k", "parallel-tiny"])
 def test_every_family_runs_alike_with_64_bit_types_enabled(preset):

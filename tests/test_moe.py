@@ -445,6 +445,7 @@ def moe_model():
   return model, model.init(jax.random.key(0), tokens), batch
 
 
+@pytest.mark.slow
 def test_model_logits_do_not_depend_on_dispatch(moe_model):
   model, params, batch = moe_model
   expected = model.apply(params, batch["tokens"])
@@ -453,6 +454,7 @@ def test_model_logits_do_not_depend_on_dispatch(moe_model):
     np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-5, err_msg=dispatch)
 
 
+@pytest.mark.slow
 def test_model_and_its_decoding_run_under_jax_enable_x64(moe_model):
   """With x64 on (int64 default ints), the loop-dispatch model's logits, gradient and
   cached decoding equal the same calls without it: the float32 program is the same."""
@@ -475,6 +477,7 @@ def test_model_and_its_decoding_run_under_jax_enable_x64(moe_model):
   chex.assert_trees_all_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_train_step_adds_and_logs_the_aux_losses_and_expert_load(moe_model):
   model, params, batch = moe_model
   tx = optax.sgd(1.0)
@@ -503,6 +506,7 @@ def test_train_step_adds_and_logs_the_aux_losses_and_expert_load(moe_model):
   np.testing.assert_allclose(sum(loads), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_moe_config_trains_and_logs_aux_losses_and_expert_load(corpus, tmp_path):
   """configs/gemma3_tiny.py:gemma4-moe-tiny through experiments/train.py, shortened to 3
   steps."""

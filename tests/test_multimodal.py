@@ -66,6 +66,7 @@ def torch_logits(model, tokens, pixels_per_row):
   return out.logits.numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("images_per_row", [1, 2])
 def test_logits_match_transformers(reference, images_per_row):
   model, path = reference
@@ -145,6 +146,7 @@ def tiny_model():
   return config, model, model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))
 
 
+@pytest.mark.slow
 def test_bad_image_inputs_are_named():
   config, model, params = tiny_model()
   image = config.model.vision.image_token_id
@@ -208,6 +210,7 @@ def train_on_images(model, params, tokens, images, learn, optimizer, count):
   return state.params, losses
 
 
+@pytest.mark.slow
 def test_training_on_generated_images():
   """A few AdamW steps on rows whose text after each image names its colour: the loss
   falls, and the tower's parameters receive gradients."""

@@ -5,6 +5,7 @@ import os
 
 import nbclient
 import nbformat
+import pytest
 
 NOTEBOOK = os.path.join(os.path.dirname(__file__), os.pardir, "notebooks", "explore.ipynb")
 
@@ -15,6 +16,7 @@ def output_kinds(notebook):
           for cell in notebook.cells if cell.cell_type == "code"]
 
 
+@pytest.mark.slow
 def test_explore_notebook_runs_and_its_committed_outputs_are_its_cells(tmp_path):
   committed = nbformat.read(NOTEBOOK, as_version=4)
   env = dict(os.environ, XLA_FLAGS="")   # one device is enough here

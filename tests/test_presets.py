@@ -29,6 +29,7 @@ def count_ours(config):
   return sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(shapes))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(HF_SHAPES))
 def test_parameter_count_matches_transformers(name):
   config = gj.get_config(name)

@@ -219,6 +219,7 @@ def tiny():
   return config, gj.transform(config).init(jax.random.key(0), tokens), tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["int8_weights", "int4_weights"])
 def test_quantized_model_runs_scanned_unrolled_and_decoding(tiny, mode):
   config, params, tokens = tiny
@@ -259,6 +260,7 @@ def test_quantized_parameters_take_less_memory_and_keep_the_rest(tiny):
         np.testing.assert_array_equal(qflat[path], value)   # embeddings, norms: float
 
 
+@pytest.mark.slow
 def test_quantized_parameters_checkpoint_and_shard(tiny, tmp_path):
   config, params, tokens = tiny
   qconfig, qparams = quant.quantize(config, params, "int4_weights")
@@ -303,6 +305,7 @@ def test_int4_scales_the_mesh_does_not_divide_stay_whole_there(tiny):
 
 # Bad input.
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, stored", [("int8_weights", "int8"), ("int4_weights", "uint8")])
 @pytest.mark.parametrize("preset, where", [("gemma3-tiny", r"attn/q/kernel"),
                                            ("gemma4-moe-tiny", r"experts/gate")])
@@ -429,6 +432,7 @@ def eval_loss(config, params, rows):
                                                                rows[:, 1:]).mean())
 
 
+@pytest.mark.slow
 def test_stored_weights_keep_the_eval_loss_of_a_trained_model(trained):
   config, params, _, held_out = trained
   base = eval_loss(config, params, held_out)
@@ -440,6 +444,7 @@ def test_stored_weights_keep_the_eval_loss_of_a_trained_model(trained):
     assert change < bound, (mode, base, change)
 
 
+@pytest.mark.slow
 def test_int8_training_reaches_float_training(trained):
   """Fine-tuning the trained model 100 more steps with int8 rounding ends within 2% of
   the same steps in float."""
@@ -455,6 +460,7 @@ def test_int8_training_reaches_float_training(trained):
   assert losses["float"] < eval_loss(config, params, held_out)
 
 
+@pytest.mark.slow
 def test_int8_training_runs_in_the_loop_checkpoints_and_resumes(corpus, tmp_path):
   """train.py's loop with quant="int8": a run resumed from its step-3 checkpoint logs
   the uninterrupted run's losses exactly, and rounding changed them (float differs)."""
@@ -475,6 +481,7 @@ def test_int8_training_runs_in_the_loop_checkpoints_and_resumes(corpus, tmp_path
   assert records("float")[6] != records("full")[6]
 
 
+@pytest.mark.slow
 def test_int8_and_int4_weights_of_a_transformers_checkpoint(tmp_path, corpus):
   """A transformers Gemma 3 (random weights, our float loss checked against torch's):
   quantized weights move the loss on real text by < 1% (int8) and < 5% (int4, g32)."""
@@ -495,6 +502,7 @@ def test_int8_and_int4_weights_of_a_transformers_checkpoint(tmp_path, corpus):
     assert abs(eval_loss(qconfig, qparams, rows) / base - 1) < bound, mode
 
 
+@pytest.mark.slow
 def test_qlora_trains_adapters_over_an_int4_base(corpus, tmp_path):
   """LoRA over a transformers checkpoint quantized at load: the adapters train, the
   base stays int4 (and equals quantizing the float checkpoint), and the run's sample

@@ -76,6 +76,7 @@ def test_chunk_count():
     assert row_chunks.chunk_count(1, 8192) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_type, overrides", [
     ("gemma3", {}), ("gemma4", {}), ("parallel", {}), ("gpt3", dict(num_kv_heads=4)),
     ("gemma3", dict(remat_policy="full")), ("gemma3", dict(remat_policy="minimal",
@@ -108,6 +109,7 @@ def test_init_runs_whole_and_keeps_parameter_paths(small_chunks):
   chex.assert_trees_all_equal(chunked, whole)
 
 
+@pytest.mark.slow
 def test_lora_adapters_and_their_dropout_in_chunks(small_chunks):
   """LoRA's interceptor adds the adapters inside every chunk: the adapters' gradients
   equal the whole MLPs', and dropout on the adapters' input draws per chunk."""
@@ -151,6 +153,7 @@ def test_dropout_draws_a_key_per_chunk(small_chunks):
   assert all((kept[i] != kept[0]).any() for i in (1, 2, 3))
 
 
+@pytest.mark.slow
 def test_stored_int8_weights_in_chunks(small_chunks):
   """A quantized model reads its int8 weights and scales inside every chunk (logits as
   with whole MLPs); quantizing in place writes parameters, so it runs whole."""

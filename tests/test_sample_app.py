@@ -47,6 +47,7 @@ def sample_app_error(*flags):
   return result.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_a_cache_dtype_that_is_no_cache_dtype_is_one_error_line(tmp_path):
   """Not a dtype (jnp.dtype raised TypeError, a traceback), or neither float nor int8."""
   config = gj.get_config("gemma3-tiny")
@@ -68,6 +69,7 @@ def test_a_cache_dtype_that_is_no_cache_dtype_is_one_error_line(tmp_path):
       f"sample.py: error: --tokenizer: '{tmp_path}' is a directory without")
 
 
+@pytest.mark.slow
 def test_from_a_transformers_directory_with_a_sentencepiece_tokenizer(tmp_path):
   sentencepiece.SentencePieceTrainer.train(
       input=os.path.join(ROOT, "README.md"), model_prefix=str(tmp_path / "tokenizer"),
@@ -87,6 +89,7 @@ def test_from_a_transformers_directory_with_a_sentencepiece_tokenizer(tmp_path):
   assert "tokens/s" in stdout.splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_from_a_training_workdir(tmp_path):
   overrides = dict(num_layers=2, d_model=32, num_heads=2, num_kv_heads=1, head_dim=16,
                    mlp_dim=64, sliding_window=3, attention_pattern=("local", "global"))
@@ -145,6 +148,7 @@ def prompt_with_image(config, image, ids):
   return ids, gemma4_images.ImagePatches(patches[None], positions[None])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gemma3-tiny-vision", "gemma4-tiny-vision"])
 def test_describes_an_image_from_a_multimodal_checkpoint(tmp_path, preset):
   """--image with a tiny random image model (Gemma 3's or Gemma 4's tower) saved in
@@ -179,6 +183,7 @@ def test_describes_an_image_from_a_multimodal_checkpoint(tmp_path, preset):
   assert stdout.startswith(prompt + tokenizer.decode(new) + "\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["sample", "eval", "chat"])
 def test_an_apps_help_lists_its_model_flags(name):
   """They are defined in gemma_jax.apps, and absl's --help showed only --helpfull's."""

@@ -142,6 +142,7 @@ def test_nucleus_by_bisection_equals_sorting_in_float64(vocab):
   assert checked >= 30, checked
 
 
+@pytest.mark.slow
 def test_draws_follow_the_softmax_and_never_pick_impossible_tokens():
   """`sampling.draw` over 1300 ids (blocks of 512, the last partial): a block all -inf,
   holes, mass at both ends; frequencies of 200k draws within 4.5 standard deviations
@@ -213,6 +214,7 @@ def gpt3_greedy_after_abc(new_tokens):
   return config, params, tokenizer, row[0, 4:4 + new_tokens]
 
 
+@pytest.mark.slow
 def test_sampler_compiles_once_per_bucket_and_equals_the_exact_shapes(checkpoint):
   """Prompts of 3 to 5 ids and 17 or 18 new tokens share one program (16 positions, 32
   tokens, the loop bounded at the call's count); each sample equals greedy `generate`
@@ -234,6 +236,7 @@ def test_sampler_compiles_once_per_bucket_and_equals_the_exact_shapes(checkpoint
   assert [sampler.bucket(n) for n in (1, 16, 17, 256, 257, 600)] == [16, 16, 32, 256, 512, 768]
 
 
+@pytest.mark.slow
 def test_sampler_compiles_once_for_any_values_of_its_options(checkpoint):
   """New temperatures, p values and k of the same power of two reuse the Sampler's
   program; each draw repeats under its seed and matches `generate` given the same
@@ -307,6 +310,7 @@ class MarkerTokenizer(tokenizers.ByteTokenizer):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompts, images, message", [
     (["<img>a<img>b"], [["x"]], r"prompt 0 holds 2 image markers .* but 1 images"),
     (["<img>a"], [["x", "x"]], r"prompt 0 holds 1 image markers .* but 2 images"),

@@ -100,6 +100,7 @@ def test_eight_simulated_devices():
   assert jax.device_count() == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MESHES))
 def test_sharded_losses_equal_single_device(single_device, name):
   losses, state, mesh = sharded_run(name)
@@ -114,6 +115,7 @@ def test_sharded_losses_equal_single_device(single_device, name):
                                                          32 // sizes["fsdp"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["data8", "data2_fsdp2_tensor2"])
 def test_accumulating_micro_batches_stay_on_their_devices(name):
   """Four micro-batches of a 32-row batch on a mesh: each takes a quarter of every
@@ -151,6 +153,7 @@ def test_accumulating_micro_batches_stay_on_their_devices(name):
                               atol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,table_sum", [("data2_fsdp2_tensor2", "platform"),
                                             ("fsdp4_tensor2", "platform"),
                                             ("fsdp4_tensor2", "off_cpu")])
@@ -183,6 +186,7 @@ def single_device_moe():
   return run_steps(moe_config())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MOE_MESHES))
 def test_expert_parallel_losses_equal_single_device(single_device_moe, name):
   config = moe_config(MOE_MESHES[name])
@@ -328,6 +332,7 @@ def app_run(tmp_path_factory, corpus):
   return config_file, [r["loss"] for r in records]
 
 
+@pytest.mark.slow
 def test_train_app_runs_under_fsdp4_tensor2(app_run):
   assert all(np.isfinite(app_run[1]))
 
@@ -338,6 +343,7 @@ def free_port():
     return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(tmp_path, app_run):
   """Two jax.distributed processes of 4 devices each (fsdp=8 across them, each reading
   its half of every batch) log the losses of one process with 8 devices."""
@@ -354,6 +360,7 @@ def test_two_processes_train_like_one(tmp_path, app_run):
   np.testing.assert_allclose([r["loss"] for r in records], single_process_losses, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["gemma3-27b"])
 def test_plan_params_per_device_on_256_devices(preset):
   config = gj.get_config(preset)
@@ -372,6 +379,7 @@ def test_plan_params_per_device_on_256_devices(preset):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["none", "full"])
 def test_planned_activations_track_xla_memory_analysis(policy):
   """The planned activations plus gradients against the temporaries XLA allocates for
@@ -401,6 +409,7 @@ def param_bytes(preset):
           sum(math.prod(s.shape) * 4 for path, s in leaves if path[-1].key == "scale"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,mesh,expected_mesh", [
     ("gemma4-31b", "fsdp", dict(data=1, fsdp=256, tensor=1, expert=1)),
     ("gemma4-26b-a4b", "expert", dict(data=1, fsdp=64, tensor=1, expert=4)),
@@ -424,6 +433,7 @@ def test_plan_app_per_device_bytes(tmp_path, preset, mesh, expected_mesh):
   assert 0 < plan["activations"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag,message", [
     ("--preset=gemma3-nope", "plan.py: error: unknown preset 'gemma3-nope'"),
     ("--cache_dtype=foo", "--cache_dtype=foo: value should be one of"),
@@ -452,6 +462,7 @@ def plan_app(*flags):
       return json.load(f)
 
 
+@pytest.mark.slow
 def test_plan_app_keeps_model_flags_given_with_a_preset():
   """--config.model.* flags apply on top of --preset: the plan equals planning.plan for
   the preset's model with those fields set."""
@@ -478,9 +489,10 @@ def documented_commands(text: str, script: str) -> list:
 
 
 def test_documented_plans_and_multi_host_meshes_are_valid():
-  """The plan.py commands in README.md and plan.py's docstring run, and the README's
-  multi-host training flags (gemma3_1b on 32 devices) give a mesh the batch splits over."""
-  with open(os.path.join(REPO, "README.md")) as f:
+  """The plan.py commands in the scaling guide and plan.py's docstring run, and the
+  guide's multi-host training flags (gemma3_1b on 32 devices) give a mesh the batch
+  splits over."""
+  with open(os.path.join(REPO, "docs", "scaling.md")) as f:
     readme = f.read()
   with open(os.path.join(REPO, "experiments", "plan.py")) as f:
     docstring = f.read().split('"""')[1]

@@ -228,6 +228,7 @@ def reply_text(reply):
   return tokenizers.ByteTokenizer().decode([i for i in reply if i not in (2, 260)])
 
 
+@pytest.mark.slow
 def test_chat_session_send_keeps_typed_markers_as_text(tmp_path):
   config = small("gemma3-tiny", vocab_size=261)
   params = chatty_params(config)
@@ -244,6 +245,7 @@ def test_chat_session_send_keeps_typed_markers_as_text(tmp_path):
     assert session.ids == expected
 
 
+@pytest.mark.slow
 def test_chat_app_keeps_typed_markers_as_text(tmp_path):
   config = small("gemma3-tiny", vocab_size=261)
   params = chatty_params(config, seed=4)
@@ -262,6 +264,7 @@ def test_chat_app_keeps_typed_markers_as_text(tmp_path):
   assert result.stdout == f"> {LINE}\n{reply_text(reply)}\n"
 
 
+@pytest.mark.slow
 def test_sampler_encodes_a_text_prompt_as_text_and_takes_ids_as_they_are(tmp_path):
   config = small("gemma3-tiny", vocab_size=261)
   params = chatty_params(config, seed=5)
@@ -279,6 +282,7 @@ def test_sampler_encodes_a_text_prompt_as_text_and_takes_ids_as_they_are(tmp_pat
       i for i in reply if i not in (2, 260)]
 
 
+@pytest.mark.slow
 def test_sample_app_keeps_typed_markers_as_text(tmp_path):
   config = small("gemma3-tiny", vocab_size=261)
   params = chatty_params(config, seed=5)

@@ -131,6 +131,7 @@ def test_grad_accumulation_equals_one_large_batch(sgd):
     np.testing.assert_allclose(metrics_four[key], metrics_one[key], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_auxiliary_losses_are_added_to_the_objective(sgd):
   def forward_with_aux(params, batch, rng):
     sums, _, _ = steps.model_forward(sgd["model"])(params, batch, rng)
@@ -205,6 +206,7 @@ def full_run(corpus, tmp_path_factory):
   return config, workdir, loop.train(config, workdir)
 
 
+@pytest.mark.slow
 def test_a_run_writes_metrics_events_checkpoints_plot_and_sample(full_run):
   config, workdir, summary = full_run
   records = metrics.read_records(workdir)
@@ -222,6 +224,7 @@ def test_a_run_writes_metrics_events_checkpoints_plot_and_sample(full_run):
   assert summary["sample"].startswith(config.sample.prompt)
 
 
+@pytest.mark.slow
 def test_resumed_run_equals_uninterrupted_run_bit_for_bit(full_run, tmp_path):
   config, full_workdir, _ = full_run
   first_part = config.copy_and_resolve_references()
@@ -258,6 +261,7 @@ def _session_starts(directory: str) -> list:
   return starts
 
 
+@pytest.mark.slow
 def test_a_run_resumed_behind_its_last_record_logs_each_step_once(full_run, tmp_path):
   """A crash after step 6 was logged but before it was saved: the run resumes from step
   4 and logs 5 and 6 again. metrics.jsonl keeps one record a step, the resumed run's,
@@ -292,6 +296,7 @@ def test_a_new_run_drops_the_records_of_one_that_saved_nothing(tmp_path):
   assert metrics.read_records(str(tmp_path)) == [{"step": 1, "loss": 3.0}]
 
 
+@pytest.mark.slow
 def test_a_log_record_averages_every_step_since_the_last_even_across_saves(full_run, tmp_path,
                                                                           monkeypatch):
   """Logs at 3 and 6, saves at 2 and 4: each record is the mean of the three steps'
@@ -319,6 +324,7 @@ def test_a_log_record_averages_every_step_since_the_last_even_across_saves(full_
   assert tokens == [3 * config.train.batch_size * config.data.seq_len] * 2
 
 
+@pytest.mark.slow
 def test_a_stop_logs_the_steps_since_the_last_record(full_run, tmp_path, monkeypatch):
   """SIGTERM during step 3 with records every 4 steps: the stop logs steps 1-3 before it
   saves (a resumed run never runs them again), then the resumed run logs 4 and 5-6."""
@@ -365,6 +371,7 @@ def test_the_saved_config_names_data_and_tokenizer_by_absolute_paths(corpus, tmp
                                            str(tmp_path / "tok"))
 
 
+@pytest.mark.slow
 def test_steps_after_the_first_of_each_kind_trace_and_compile_nothing(corpus, tmp_path,
                                                                      monkeypatch):
   """No recompilation between steps: the train step is traced once, and once a log, an
@@ -403,6 +410,7 @@ def test_steps_after_the_first_of_each_kind_trace_and_compile_nothing(corpus, tm
   assert lowered and max(lowered) <= 3, lowered   # steps 4, 5, 6: nothing lowered
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_path, monkeypatch):
   make_train_step = steps.make_train_step
 
@@ -426,6 +434,7 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(corpus, tmp_pa
   assert_only_checkpoint_is_finite_step_2(config, tmp_path)
 
 
+@pytest.mark.slow
 def test_non_finite_parameters_stop_the_run_before_they_are_saved(corpus, tmp_path,
                                                                   monkeypatch):
   """A NaN learning rate for the 4th update: step 4's loss (that of the parameters
@@ -476,6 +485,7 @@ def assert_only_checkpoint_is_finite_step_2(config, workdir):
   chex.assert_tree_all_finite(restored.params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["state_removed", "data_not_json", "arrays_emptied"])
 def test_a_damaged_latest_checkpoint_is_one_error_naming_the_step(corpus, tmp_path, damage):
   """orbax had ended the resume in a raw KeyError or JSONDecodeError traceback; the error
@@ -504,6 +514,7 @@ def test_a_damaged_latest_checkpoint_is_one_error_naming_the_step(corpus, tmp_pa
   assert loop.train(resumed, str(tmp_path))["step"] == 3
 
 
+@pytest.mark.slow
 def test_resuming_under_another_model_or_optimizer_names_what_differs(corpus, tmp_path):
   """The saved shapes are compared with the config's before orbax restores anything;
   the checkpoint stays as it was."""
@@ -528,6 +539,7 @@ def test_resuming_under_another_model_or_optimizer_names_what_differs(corpus, tm
   assert checkpoints.Checkpointer(str(tmp_path / "checkpoints"), 2).all_steps() == (1,)
 
 
+@pytest.mark.slow
 def test_a_resume_names_the_settings_changed_since_the_checkpoint(corpus, tmp_path, capsys):
   """The checkpoint checks only shapes: a resume with another learning rate and Adam
   b1 says so, field by field, against the config.json the checkpoint was saved with."""
@@ -580,6 +592,7 @@ def test_bad_config_or_data_fails_before_building_the_model(corpus, tmp_path, mo
   assert error.value.field == name
 
 
+@pytest.mark.slow
 def test_an_eval_split_with_one_target_token_reports_its_zero_entropy(corpus, tmp_path):
   """Two held-out tokens, [bos] and the first of a document: one target, so the eval
   unigram entropy is 0 and the final report must not divide by it."""
@@ -643,6 +656,7 @@ def run_app(*args, **popen):
                           **popen)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
   workdir = tmp_path / "run"
   process = run_app(f"--config={write_config_file(tmp_path, corpus, 100000)}",
@@ -662,6 +676,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(corpus, tmp_path):
   assert logged == list(range(1, saved[0] + 1))
 
 
+@pytest.mark.slow
 def test_app_reports_a_missing_data_path_in_one_line(tmp_path):
   process = run_app(f"--config={write_config_file(tmp_path, '/nonexistent/*.txt', 5)}",
                     f"--workdir={tmp_path / 'run'}")

@@ -141,6 +141,7 @@ class VisionTowerTest(chex.TestCase):
     chex.assert_trees_all_close(outs[True], outs[False], rtol=0, atol=1e-6)
     np.testing.assert_allclose(outs[True][0], ref_tokens, rtol=0, atol=1e-5)
 
+  @pytest.mark.slow
   def test_init_layout_and_logical_axes(self):
     boxed = vision.VisionTower(tiny_config(), out_width=TEXT_WIDTH).init(jax.random.key(0),
                                                                jnp.zeros((1, 56, 56, 3)))
@@ -234,6 +235,7 @@ def test_gradients_match_torch_autograd():
     np.testing.assert_allclose(value, theirs[name], rtol=0, atol=1e-5 * scale, err_msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", sorted(p for p in remat.POLICIES if p != "none"))
 def test_remat_policy_keeps_output_and_grads(policy):
   cotangent, pixels, params, (loss, grads) = remat_reference()
