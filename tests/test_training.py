@@ -306,13 +306,13 @@ def test_a_log_record_averages_every_step_since_the_last_even_across_saves(full_
   config.train.log_every, config.checkpoint.save_every = 3, 2
   config.sample.max_new_tokens = 0
   tokens = []
-  train_record = loop._train_record   # pylint: disable=protected-access
+  train_record = metrics.train_record
 
   def counting_train_record(fetched, seconds, n_tokens, *args):
     tokens.append(n_tokens)
     return train_record(fetched, seconds, n_tokens, *args)
 
-  monkeypatch.setattr(loop, "_train_record", counting_train_record)
+  monkeypatch.setattr(metrics, "train_record", counting_train_record)
   loop.train(config, str(tmp_path))
   each_step = {r["step"]: r for r in metrics.read_records(full_workdir)}
   records = metrics.read_records(str(tmp_path))
@@ -608,7 +608,7 @@ def test_an_eval_split_with_one_target_token_reports_its_zero_entropy(corpus, tm
     (3.0, 4.0, "entropy 4.0000 (25.0% below)"), (6.0, 4.0, "entropy 4.0000 (50.0% above)"),
     (1.0, 0.0, "entropy 0.0000")])
 def test_final_report_says_below_or_above_the_unigram_entropy(eval_loss, entropy, end):
-  assert loop.final_report(eval_loss, entropy).endswith(end)
+  assert metrics.final_report(eval_loss, entropy).endswith(end)
 
 
 def test_sample_past_the_learned_positions_fails_before_the_data(tmp_path, monkeypatch):
@@ -696,8 +696,8 @@ def test_mfu_is_against_a_datasheet_peak_and_absent_on_a_cpu():
   assert flops.datasheet_peak_flops("TPU v5 lite") == 197e12
   assert flops.datasheet_peak_flops("cpu") is None
   fetched = [{"loss": 2.0, "learning_rate": 1e-3}]
-  assert "mfu" not in loop._train_record(fetched, 2.0, 1000, 6e6, None)
-  record = loop._train_record(fetched, 2.0, 1000, 6e6, 1e12)
+  assert "mfu" not in metrics.train_record(fetched, 2.0, 1000, 6e6, None)
+  record = metrics.train_record(fetched, 2.0, 1000, 6e6, 1e12)
   assert record["mfu"] == pytest.approx(500 * 6e6 / (1e12 * jax.device_count()))
 
 
@@ -719,7 +719,7 @@ def test_the_progress_bar_counts_steps_the_device_finished():
       self.n += count
 
   bar = Bar()
-  progress = loop._Progress(bar)
+  progress = metrics.Progress(bar)
   losses = [Loss() for _ in range(3)]
   for loss in losses:
     progress.dispatched({"loss": loss})

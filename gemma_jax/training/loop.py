@@ -7,13 +7,12 @@ generated sample.
 Everything that can be wrong with the config or the data fails before compiling.
 """
 
-import collections
 import contextlib
 import os
 import signal
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Tuple
 
 import jax
 import numpy as np
@@ -81,15 +80,6 @@ def _say_changes_since_saved(config: config_dict.ConfigDict, workdir: str) -> No
     _say("settings changed since the checkpoint's run: " + "; ".join(changes))
 
 
-def final_report(eval_loss: float, entropy: float) -> str:
-  """The eval loss against the eval split's unigram entropy (both nats/token)."""
-  line = f"final eval loss {eval_loss:.4f} nats/token vs eval unigram entropy {entropy:.4f}"
-  if not entropy:
-    return line
-  gap = 1 - eval_loss / entropy
-  return f"{line} ({abs(gap):.1%} {'below' if gap >= 0 else 'above'})"
-
-
 def _check_finite(pending: List[Tuple[int, dict]], checkpointer, directory) -> List[dict]:
   """Fetches the metrics of the steps since the last check (less params_finite); raises
   TrainingDiverged at the first step whose loss, gradient norm or updated parameters
@@ -117,52 +107,12 @@ def _evaluate(eval_step, params, batches: List[dict], frozen) -> float:
   return float(sum(s.cross_entropy for s in sums) / max(sum(s.weight for s in sums), 1.0))
 
 
-def _train_record(fetched: List[dict], seconds: float, tokens: int, flops_per_token: float,
-                  peak_flops: Optional[float]) -> Dict[str, float]:
-  """The means of the steps' metrics (the last learning rate), tokens/s and, with a peak,
-  MFU."""
-  record = {k: float(np.mean([f[k] for f in fetched])) for k in fetched[-1]}
-  record["learning_rate"] = float(fetched[-1]["learning_rate"])
-  record["tokens_per_s"] = tokens / seconds
-  if peak_flops:
-    record["mfu"] = (record["tokens_per_s"] * flops_per_token
-                     / (peak_flops * jax.device_count()))
-  return record
-
-
-class _Progress:
-  """The progress bar, counting steps as the device finishes them rather than as they
-  are dispatched (dispatch runs ahead: its rate read 74 steps/s at a real 2.5)."""
-
-  def __init__(self, bar: tqdm.tqdm):
-    self.bar, self._running = bar, collections.deque()
-
-  def dispatched(self, step_metrics: dict) -> None:
-    self._running.append(step_metrics["loss"])
-    while self._running and self._running[0].is_ready():
-      self._running.popleft()
-      self.bar.update()
-
-  def all_finished(self) -> None:
-    """The steps dispatched so far are done (their metrics were fetched)."""
-    self.bar.update(len(self._running))
-    self._running.clear()
-
-
 def _generate(config: config_dict.ConfigDict, params, tokenizer) -> str:
   """The sample prompt and its continuation, as text."""
   s = config.sample
   return s.prompt + sampler.Sampler(config, params, tokenizer)(
       s.prompt, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_k=s.top_k,
       top_p=s.top_p, seed=config.seed)
-
-
-def _log_line(step: int, total: int, record: Dict[str, float]) -> str:
-  names = (("loss", "loss", ".4f"), ("eval_loss", "eval_loss", ".4f"),
-           ("learning_rate", "lr", ".2e"), ("grad_norm", "grad_norm", ".3f"),
-           ("tokens_per_s", "tokens/s", ".0f"), ("mfu", "mfu", ".2%"))
-  fields = [f"{label} {record[key]:{fmt}}" for key, label, fmt in names if key in record]
-  return f"step {step}/{total} | " + " | ".join(fields)
 
 
 def _tokenizer_name(config: config_dict.ConfigDict) -> str:
@@ -428,7 +378,7 @@ class _Run:
     pending, unlogged, seconds, interval_start = [], [], 0.0, time.perf_counter()
     bar = tqdm.tqdm(total=t.steps, initial=step, desc="train", unit="step",
                     dynamic_ncols=True, disable=not t.progress_bar or jax.process_index() != 0)
-    progress = _Progress(bar)
+    progress = metrics.Progress(bar)
     try:
       with StopSignal() as stop:
         while step < t.steps and not stop.requested:
@@ -448,7 +398,7 @@ class _Run:
           progress.all_finished()
           seconds += time.perf_counter() - interval_start
           if log:
-            record = _train_record(unlogged, seconds, len(unlogged) * tokens_per_step,
+            record = metrics.train_record(unlogged, seconds, len(unlogged) * tokens_per_step,
                                    flops_per_token, peak)
             unlogged, seconds = [], 0.0
             if evaluate:
@@ -459,7 +409,7 @@ class _Run:
             if writer:
               writer.write(step, record)
             bar.set_postfix(loss=f"{record['loss']:.3f}")
-            _say(_log_line(step, t.steps, record))
+            _say(metrics.log_line(step, t.steps, record))
           if save or stop.requested:
             self.checkpointer.save(state, self.batches.state())
           interval_start = time.perf_counter()
@@ -481,7 +431,7 @@ class _Run:
       last_eval = (step, self.evaluate(state.params))
     eval_loss = last_eval[1]
     summary.update(eval_loss=eval_loss, unigram_entropy=self.entropy, sample=None)
-    _say(final_report(eval_loss, self.entropy))
+    _say(metrics.final_report(eval_loss, self.entropy))
     if "start_eval_loss" in summary:
       _say(f"eval loss {summary['start_eval_loss']:.4f} -> {eval_loss:.4f} "
            f"({eval_loss / summary['start_eval_loss'] - 1:+.1%}) from "

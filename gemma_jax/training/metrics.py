@@ -1,5 +1,6 @@
-"""What a run reports: metrics.jsonl, TensorBoard events, the loss plot, and the
-unigram entropy that the eval loss is measured against."""
+"""What a run reports: its records (`train_record`), log lines and progress bar,
+metrics.jsonl, TensorBoard events, the loss plot, and the unigram entropy that the eval
+loss is measured against."""
 
 import collections
 import json
@@ -7,9 +8,11 @@ import os
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from absl import logging
+import jax
 import matplotlib
 import numpy as np
 import tensorboardX
+import tqdm
 
 from gemma_jax.training import workdir as workdir_lib
 
@@ -58,6 +61,55 @@ class MetricsWriter:
   def close(self) -> None:
     os.close(self._jsonl)
     self._events.close()
+
+
+def final_report(eval_loss: float, entropy: float) -> str:
+  """The eval loss against the eval split's unigram entropy (both nats/token)."""
+  line = f"final eval loss {eval_loss:.4f} nats/token vs eval unigram entropy {entropy:.4f}"
+  if not entropy:
+    return line
+  gap = 1 - eval_loss / entropy
+  return f"{line} ({abs(gap):.1%} {'below' if gap >= 0 else 'above'})"
+
+
+def train_record(fetched: List[dict], seconds: float, tokens: int, flops_per_token: float,
+                  peak_flops: Optional[float]) -> Dict[str, float]:
+  """The means of the steps' metrics (the last learning rate), tokens/s and, with a peak,
+  MFU."""
+  record = {k: float(np.mean([f[k] for f in fetched])) for k in fetched[-1]}
+  record["learning_rate"] = float(fetched[-1]["learning_rate"])
+  record["tokens_per_s"] = tokens / seconds
+  if peak_flops:
+    record["mfu"] = (record["tokens_per_s"] * flops_per_token
+                     / (peak_flops * jax.device_count()))
+  return record
+
+
+class Progress:
+  """The progress bar, counting steps as the device finishes them rather than as they
+  are dispatched (dispatch runs ahead: its rate read 74 steps/s at a real 2.5)."""
+
+  def __init__(self, bar: tqdm.tqdm):
+    self.bar, self._running = bar, collections.deque()
+
+  def dispatched(self, step_metrics: dict) -> None:
+    self._running.append(step_metrics["loss"])
+    while self._running and self._running[0].is_ready():
+      self._running.popleft()
+      self.bar.update()
+
+  def all_finished(self) -> None:
+    """The steps dispatched so far are done (their metrics were fetched)."""
+    self.bar.update(len(self._running))
+    self._running.clear()
+
+
+def log_line(step: int, total: int, record: Dict[str, float]) -> str:
+  names = (("loss", "loss", ".4f"), ("eval_loss", "eval_loss", ".4f"),
+           ("learning_rate", "lr", ".2e"), ("grad_norm", "grad_norm", ".3f"),
+           ("tokens_per_s", "tokens/s", ".0f"), ("mfu", "mfu", ".2%"))
+  fields = [f"{label} {record[key]:{fmt}}" for key, label, fmt in names if key in record]
+  return f"step {step}/{total} | " + " | ".join(fields)
 
 
 def read_records(workdir: str) -> List[dict]:
