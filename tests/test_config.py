@@ -61,6 +61,17 @@ INVALID = [
 ]
 
 
+@pytest.mark.parametrize("field", ["use_post_attn_norm", "use_post_ffw_norm"])
+def test_gpt3_refuses_post_norms_its_layer_does_not_have(field):
+  """GPT-3's layer says what it does (norms before attention and MLP only); a post-norm
+  asked of it would be ignored without a word."""
+  config = gj.get_config("gpt3-52k")
+  config.model[field] = True
+  with pytest.raises(config_lib.ConfigError, match=f"model.{field}: GPT-3's layer has no "
+                     "post-norms"):
+    gj.validate(config)
+
+
 def test_jax_attention_kernel_refuses_a_soft_cap():
   config = gj.get_config("gemma3-tiny")
   config.model.update(attention_kernel="jax", attn_logit_softcap=50.0)

@@ -190,6 +190,9 @@ def _validate_embeddings_and_gpt3(config: config_dict.ConfigDict, need) -> None:
   need(m.block_type != "gpt3" or m.num_kv_heads == m.num_heads, "num_kv_heads",
        f"GPT-3 has a key/value head per query head: num_heads={m.num_heads}, got "
        f"{m.num_kv_heads}")
+  for field in ("use_post_attn_norm", "use_post_ffw_norm"):
+    need(m.block_type != "gpt3" or not m[field], field,
+         "GPT-3's layer has no post-norms (its norms come before attention and MLP)")
 
 
 def _validate_vision(m: config_dict.ConfigDict, need) -> None:

@@ -2,8 +2,8 @@
 
 Its attention options come from the config, per attention type: key/value heads and
 head dim on global layers, keys reused as values, a value norm, RoPE base, scale and
-rotated fraction. `make_norm`, `attention` and `feed_forward` are the hooks a family
-overrides (GPT-3's LayerNorm, biased attention and plain MLP; Gemma 4's experts).
+rotated fraction. `attention` and `feed_forward` are the hooks Gemma 4 overrides (its
+shared keys and values, its experts); `layer_output` ends every family's layer.
 """
 
 import flax.linen as nn
@@ -82,17 +82,19 @@ class Gemma3Layer(nn.Module):
       y = self.norm("post_mlp_norm")(y)
     return x + y
 
-  def finish(self, x: jax.Array) -> jax.Array:
-    """The layer's output [B, T, D]: dropout, recorded statistics."""
-    c = self.config
-    x = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(x, deterministic=self.deterministic)
-    if c.record_internal_nn_metrics:
-      activation_stats.record(self, x)
-    return nn.with_logical_constraint(x, ACTIVATION_AXES)
-
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array, masks: dict) -> jax.Array:
     """x: [B, T, D], positions: [B, T], masks: {"local"|"global": [B, T, T]} -> [B, T, D]."""
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     y = self.attention()(self.norm("pre_attn_norm")(x), positions, masks[self.attention_type])
-    return self.finish(self.feed_forward_residual(self.attention_residual(x, y)))
+    return layer_output(self, self.feed_forward_residual(self.attention_residual(x, y)))
+
+
+def layer_output(layer: nn.Module, x: jax.Array) -> jax.Array:
+  """A layer's output [B, T, D]: dropout on it, its statistics recorded where the config
+  asks (`layer` has `config` and `deterministic`)."""
+  c = layer.config
+  x = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(x, deterministic=layer.deterministic)
+  if c.record_internal_nn_metrics:
+    activation_stats.record(layer, x)
+  return nn.with_logical_constraint(x, ACTIVATION_AXES)

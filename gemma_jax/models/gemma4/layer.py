@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.mlp import gated_activation
 from gemma_jax.layers.moe import MoeBlock
-from gemma_jax.models.gemma3.layer import ACTIVATION_AXES, Gemma3Layer
+from gemma_jax.models.gemma3.layer import ACTIVATION_AXES, Gemma3Layer, layer_output
 
 
 class Gemma4Layer(Gemma3Layer):
@@ -76,7 +76,7 @@ class Gemma4Layer(Gemma3Layer):
     x = self.feed_forward_residual(self.attention_residual(x, attended))
     if self.config.per_layer_input_dim:
       x = self.per_layer_residual(x, per_layer_input)
-    x = self.finish(x)
+    x = layer_output(self, x)
     scalar = self.param("layer_scalar", nn.with_logical_partitioning(
         nn.initializers.ones_init(), (None,)), (1,), jnp.dtype(self.config.param_dtype))
     x = x * scalar.astype(x.dtype)
