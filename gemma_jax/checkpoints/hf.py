@@ -95,7 +95,7 @@ def _family(block_type: str, multimodal: bool = False) -> Family:
 
 def _unrolled_shapes(config: config_dict.ConfigDict) -> dict:
   """The model's parameter shapes, layers unrolled, without LoRA adapters: traced with
-  the layers in a rolled scan (each period once; gemma3-27b 1.0 s instead of 3.3) and
+  the layers in a rolled scan (each period traced once, not each layer) and
   unstacked."""
   scanned = config_dict.ConfigDict(config.to_dict())
   scanned.model.update(scan_layers=True, scan_unroll="none")

@@ -33,11 +33,10 @@ def read(leaf: Any, dtype, index: Optional[Tuple[slice, ...]] = None) -> np.ndar
   memory-mapped view or LayerStack) as an array of `dtype` laid out in the stored
   tensor's memory order (a transposed view stays a transposed array).
 
-  Converting in memory order is one sequential pass (a [6912, 1152] bfloat16 tensor
-  transposed: 3 ms), and `jax.device_put` transposes on the way to the device; putting
-  it in C order on the host walks the source at the full stride (33-39 ms), as stacking
-  layers with np.stack did (gemma3-1b's checkpoint scanned, read and placed: 7.4 / 10.1 s
-  against 13.2 / 15.7, medians of two runs of five)."""
+  Converting in memory order is one sequential pass, and `jax.device_put` transposes on
+  the way to the device; putting it in C order on the host walks the source at the full
+  stride, an order of magnitude slower (as stacking layers with np.stack did; figures in
+  docs/performance.md)."""
   index = tuple(index or ()) + (slice(None),) * (len(leaf.shape) - len(index or ()))
   if not isinstance(leaf, LayerStack):
     return np.asarray(leaf[index], dtype)     # numpy keeps the source's memory order

@@ -33,9 +33,9 @@ _choose = jax.jit(sampling.choose)   # one program per kind of options, whatever
 def _feed_and_choose(decoding: decoding_lib.Decoding, params, token: jax.Array,
                      cache: decoding_lib.Cache, rng: jax.Array, options: sampling.Sampling):
   """Feeds the token [1] just sampled and chooses the next: (next token [1], logits
-  [1, V], cache, rng), one call a token. As separate calls (the decode step, the key
-  split, the logits sliced, the choice) a gemma3-small-shaped reply spent 2-4 ms a token
-  dispatching beside its ~7 ms of work (docs/architecture.md)."""
+  [1, V], cache, rng), one call a token: as separate calls (the decode step, the key
+  split, the logits sliced, the choice) a reply spent a third of each token dispatching
+  them (docs/performance.md)."""
   logits, cache = decoding.decode_step(params, token, cache)
   rng, key = jax.random.split(rng)
   return sampling.choose(logits, key, options), logits, cache, rng

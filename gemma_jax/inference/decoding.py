@@ -17,15 +17,14 @@ a key outside its window.
 
 The layers run unrolled whatever `scan_layers` says: under a scan each decode step
 would slice every layer's weights out of their stack, a copy of the whole model per
-token (2.0x slower decoding at 12 layers on the CPU, where the scan copies them). The
+token (on the CPU, where the scan copies them, decoding ran at half the speed). The
 functions take either parameter layout; a scanned tree is unstacked inside each call,
 so a caller that makes many calls converts it once with `Decoding.unrolled` (`Sampler`,
 `generate` and `ChatSession` do). For the same reason, on the CPU that conversion also
 splits each MoE layer's experts into one array per expert (`moe.split_experts`): a token
 then reads its k experts where they lie (`expert_dispatch.switched`), where slicing them
-out of their [E, ...] stack copied each one first (greedy decoding of a 16-expert top-4
-d512 model: 1.4x transformers' speed that way, 2.1-2.3x this way). The prefill stacks
-them back for its grouped products.
+out of their [E, ...] stack copied each one first (docs/performance.md). The prefill
+stacks them back for its grouped products.
 
 Dims: B batch, P prompt length, S cache slots, K key/value heads, H head dim, V vocab.
 """

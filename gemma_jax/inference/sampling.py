@@ -120,9 +120,9 @@ def draw(logits: jax.Array, rng: jax.Array) -> jax.Array:
   """logits [B, V] -> [B] int32, one draw per row from softmax(logits): the inverse of
   the cumulative probability at one uniform number, located in two levels (the sums of
   blocks of DRAW_BLOCK probabilities, then within the block). A token of probability 0
-  is never drawn. `jax.random.categorical` draws a Gumbel number per logit instead: at
-  262144 logits on this project's CPU, 9.8 ms a row against 0.8 for the whole choice
-  at a temperature (`benchmarks/sampling_cost.py`)."""
+  is never drawn. `jax.random.categorical` draws a Gumbel number per logit instead,
+  about ten times the cost of this whole choice at Gemma's vocabulary on a CPU
+  (`benchmarks/sampling_cost.py`)."""
   rows, vocab = logits.shape
   blocks = -(-vocab // DRAW_BLOCK)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)

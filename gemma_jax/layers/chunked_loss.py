@@ -40,10 +40,9 @@ def logits_budget(vocab_size: int) -> int:
   262,144 entries), or `MIN_LOGITS_BYTES` if more. Every chunk reads and writes the
   float32 [V, D] running sum of the table gradient: a chunk of R rows moves 8 D V bytes
   for it beside its 6 R D V FLOPs of matmuls, so on an H100 (~240 FLOP per byte) a
-  chunk of ~300 rows spends as long on the sum as on its matmuls, whatever D. Measured
-  there (gemma3-1b, bfloat16, a step of model.loss and AdamW): 4 x 2048 tokens 120.2 ms
-  in chunks of 2048 rows, 125.9 ms of 1024; 8 x 2048 222.6 ms, 231.8 ms of 1024 and
-  224 ms of 4096, and the device's peak memory lower with 2048 (47.2 GiB against 52.0)."""
+  chunk of ~300 rows spends as long on the sum as on its matmuls, whatever D. On an H100
+  chunks of 2048 rows gave the fastest step and the lowest peak memory
+  (docs/performance.md)."""
   return max(MIN_LOGITS_BYTES, 4 * vocab_size * MIN_ROWS)
 
 
@@ -180,8 +179,8 @@ def _scan_with_table_gradient(chunk, table, chunks):
   `chunks` from a zero table gradient -> (d table [V, D] float32, stacked outputs).
 
   On a CPU the sum runs transposed, [D, V], and is transposed once at the end; elsewhere
-  it is summed as [V, D] (on an H100 the final transpose of gemma3-1b's 1.2 GB sum took
-  0.8 ms of a 130 ms step)."""
+  it is summed as [V, D] (on an H100 the final transpose would cost under 1% of a
+  step)."""
   return jax.lax.platform_dependent(
       cpu=lambda: _scan_chunks(chunk, table, chunks, on_cpu=True),
       default=lambda: _scan_chunks(chunk, table, chunks, on_cpu=False))

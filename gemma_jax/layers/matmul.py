@@ -3,18 +3,17 @@
 XLA's CPU backend runs a matmul on YNNPACK only when its left operand is contracted over
 its last dim. A weight gradient, x^T dy over rows [R, I] and [R, O], contracts both over
 their first dim; XLA folds any transpose of x into the matmul and runs it through Eigen
-instead, at ~70-85% of the speed (2048 x 512 x 2048: 35.5 ms, against 26.6 ms with x^T
-made first, the transpose itself 0.4 ms). `weight_gradient` therefore makes the narrower
+instead, at 70-85% of the speed even counting the transpose made first
+(docs/performance.md). `weight_gradient` therefore makes the narrower
 of the two transposed, as an array of its own (`transposed`); other backends keep the
 transpose foldable. The narrower: a LoRA adapter's A [I, r] has dy [R, r], and x^T
 there was a copy of the whole input, which XLA fused with the input's own producer (the
-MLP's activation, recomputed in transposed order: 94 ms a layer at 2048 x 2048).
+MLP's activation, recomputed in transposed order at a high cost per layer).
 
 A product of one row by a weight (decoding at batch 1) runs on one core there, bound by
-that core's share of memory bandwidth (a [1, 4096] x [4096, 8192] float32 product: 20.5
-GiB/s, where PyTorch's reaches 37 GiB/s on two). Split into two halves that XLA runs as
-one batched matmul, one half per core, it streams the weight at about the rate PyTorch
-does (`vector_product`).
+that core's share of memory bandwidth, at about half PyTorch's rate on two cores. Split
+into two halves that XLA runs as one batched matmul, one half per core, it streams the
+weight at about the rate PyTorch does (`vector_product`).
 """
 
 import jax
@@ -112,8 +111,8 @@ def unfused(x: jax.Array) -> jax.Array:
   """x itself, through an identity op that XLA keeps (rounding to x's own precision).
 
   Before the logits it keeps XLA's CPU backend from fusing the logits matmul with the
-  last layer's matmuls into one YNNPACK subgraph, which from about 4096 rows on ran far
-  slower than its parts (a d512 model's 1 x 4096 forward: 12.3 s fused, 2.9 s not).
+  last layer's matmuls into one YNNPACK subgraph, which from about 4096 rows on ran four
+  times slower than its parts.
   """
   info = jnp.finfo(x.dtype)
   return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)

@@ -3,10 +3,9 @@
 XLA runs RMSNorm's gradient as two or three kernels per norm (the rows' sums, the
 scale's column sums, dx), each reading x and dy again. This kernel reads x and dy once,
 a block of rows at a time, and writes dx and each program's column sums of dy * x_hat,
-which XLA adds. On an H100 (benchmarks/norm_gradient.py, bfloat16): gemma3-1b's
-[32768, 1152] norms 0.128 ms against XLA's 0.145, its q_norm [131072, 256] 0.104
-against 0.153 (docs/architecture.md, "A seventh H100 lease"). `norms.RMSNorm` uses it
-on a single GPU; the forward pass stays XLA's.
+which XLA adds: faster than XLA's on an H100 for every norm of gemma3-1b
+(`benchmarks/norm_gradient.py`; docs/performance.md). `norms.RMSNorm` uses it on a
+single GPU; the forward pass stays XLA's.
 
   y = x_hat * w,  x_hat = x * r,  r = rsqrt(mean(x^2) + eps)
   dx = r * (g - x_hat * mean(g * x_hat)),  g = dy * w;  dw = sum over rows of dy * x_hat

@@ -1,12 +1,11 @@
 """A position-wise module (an MLP) over long rows in chunks of positions, on a CPU.
 
-XLA's CPU backend runs a whole MLP as one fusion; over 8192 rows its [rows, F]
-intermediates (64 MiB each at F = 2048, float32) leave the caches between the gate, up
-and down products. Run over chunks of ~1024 rows in a loop, each chunk's intermediates
-stay in cache: gemma3-long's forward at 1 x 8192 (d512, F 2048, 6 layers) went from
-4.67 to 4.36 s, at 1 x 4096 from 1.98 to 1.89 s, and its train step moved by less than
-2% (1.01x at both); at 2048 rows the loop gained nothing (train 0.97-0.99x), so rows
-below `MIN_ROWS` run whole. Other backends run whole: a GPU wants the wide product.
+XLA's CPU backend runs a whole MLP as one fusion; over thousands of rows its [rows, F]
+intermediates leave the caches between the gate, up and down products. Run over chunks
+of ~1024 rows in a loop, each chunk's intermediates stay in cache: a long row's forward
+runs a few percent faster; at 2048 rows the loop gained nothing, so rows below
+`MIN_ROWS` run whole (docs/performance.md). Other backends run whole: a GPU wants the
+wide product.
 """
 
 import flax.linen as nn
