@@ -33,6 +33,9 @@ class Linear(nn.Module):
     in_dims: how many trailing dims of x are contracted (2 for [.., N, H] -> D).
     use_bias: add a bias over the output dims.
   """
+  # The methods a method interceptor may replace (gemma_jax.quant.projections): their
+  # names and signatures are part of this class's interface.
+  HOOKS = ("kernel", "product")
   out_shape: Sequence[int]
   axes: Sequence[str]
   in_dims: int = 1

@@ -89,6 +89,9 @@ class Experts(nn.Module):
   Attributes:
     dispatch: a name in `expert_dispatch.DISPATCHES`, or "auto".
   """
+  # The methods a method interceptor may replace (gemma_jax.quant.projections): their
+  # names and signatures are part of this class's interface.
+  HOOKS = ("weights", "hidden", "__call__")
   num_experts: int
   mlp_dim: int
   activation: str = "gelu_tanh"

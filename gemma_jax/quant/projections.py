@@ -1,5 +1,5 @@
-"""Quantized projections: `config.model.quant` applied through the hooks of `Linear`
-(`kernel`, `product`) and `Experts` (`weights`, `hidden`, `__call__`).
+"""Quantized projections: `config.model.quant` applied through the hooks `Linear` and
+`Experts` declare (`HOOKS`: `kernel`, `product`; `weights`, `hidden`, `__call__`).
 
   int8, fp8      weights and activations quantized (weights per output channel,
                  activations per row), gradients straight through: training. A `Linear`
@@ -125,8 +125,8 @@ def interceptor(model: config_dict.ConfigDict) -> Callable:
 
   def intercept(next_fun, args, kwargs, context):
     module = context.module
-    if isinstance(module, (Linear, Experts)) and is_quantized(module.scope.path,
-                                                               model.quant_logits):
+    if (isinstance(module, (Linear, Experts)) and context.method_name in module.HOOKS
+        and is_quantized(module.scope.path, model.quant_logits)):
       run = _linear if isinstance(module, Linear) else _experts
       return run(model, next_fun, args, kwargs, module, context.method_name)
     return next_fun(*args, **kwargs)
