@@ -113,7 +113,10 @@ def _interrupt_again(unraisable) -> None:
   exceptions (in a garbage collector callback, as JAX's, or a __del__) is delivered
   again, so that it still stops the app; other exceptions are printed as by default."""
   if issubclass(unraisable.exc_type, KeyboardInterrupt):
-    _thread.interrupt_main()
+    # From another thread a moment later, once the main thread has left the callback
+    # that swallowed it: delivered from here, it was raised in this hook and swallowed
+    # again. Should it land in such a callback again, this hook runs again.
+    threading.Timer(0.01, _thread.interrupt_main).start()
   else:
     sys.__unraisablehook__(unraisable)
 

@@ -149,3 +149,27 @@ def test_an_empty_cache_dir_turns_the_cache_off(tmp_path):
   assert [fixture(CONFIG, "--compile", "--compilation_cache_dir=", env=env)
           for _ in range(2)] == [(0, "steps=500 on cpu\ncache=None loaded=False\n", "")] * 2
   assert not any(tmp_path.iterdir())
+
+
+def test_a_ctrl_c_swallowed_by_a_callback_still_stops_the_app():
+  """A KeyboardInterrupt raised where Python ignores exceptions (a __del__, JAX's garbage
+  collector callback) reaches the app's unraisable hook, which delivers it again. Done
+  inside the hook it was raised there and swallowed too, and the run went on training."""
+  program = (
+      "import sys, time\n"
+      "from gemma_jax import apps\n"
+      "sys.unraisablehook = apps._interrupt_again\n"
+      "class Swallowed:\n"
+      "  def __del__(self):\n"
+      "    raise KeyboardInterrupt\n"
+      "try:\n"
+      "  Swallowed()\n"
+      "  deadline = time.time() + 5\n"
+      "  while time.time() < deadline:\n"
+      "    pass\n"
+      "  print('went on')\n"
+      "except KeyboardInterrupt:\n"
+      "  print('stopped')\n")
+  result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60, check=False)
+  assert result.stdout == "stopped\n", (result.stdout, result.stderr)
