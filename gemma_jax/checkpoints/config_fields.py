@@ -10,9 +10,10 @@ The readers of each family (`gemma_config`, `gpt2`, `gemma3_tower`, `gemma4_towe
 say what they take; their callers turn a FieldError into an error naming the file.
 """
 
-import math
 import reprlib
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional
+
+from gemma_jax.config.validation import is_finite, is_integer
 
 
 class FieldError(ValueError):
@@ -26,29 +27,14 @@ class Kind(NamedTuple):
   expected: str
 
 
-def _is_int(value) -> bool:
-  """An int and not a bool: true would otherwise pass as the count 1."""
-  return isinstance(value, int) and not isinstance(value, bool)
-
-
 def integer(minimum: int, maximum: Optional[int] = None) -> Kind:
   """An int in [minimum, maximum]; with no maximum, below 2**31: sizes, counts and token
   ids are int32 where the model computes with them."""
   if maximum is not None:
-    return Kind(lambda v: _is_int(v) and minimum <= v <= maximum,
+    return Kind(lambda v: is_integer(v) and minimum <= v <= maximum,
                 f"an int in [{minimum}, {maximum}]")
-  return Kind(lambda v: _is_int(v) and minimum <= v < 2**31,
+  return Kind(lambda v: is_integer(v) and minimum <= v < 2**31,
               f"{'a positive int' if minimum == 1 else f'an int >= {minimum}'} below 2**31")
-
-
-def _finite(value) -> bool:
-  """A real number a float holds: not a bool, NaN, an infinity or an int past 1e308."""
-  if not isinstance(value, (int, float)) or isinstance(value, bool):
-    return False
-  try:
-    return math.isfinite(value)
-  except OverflowError:
-    return False
 
 
 def one_of(names: Iterable[str]) -> Kind:
@@ -68,8 +54,8 @@ COUNT = integer(0)
 # config is read, before a list of layer types is built for billions of layers (the count
 # is checked against the checkpoint's tensors later, once they are listed).
 LAYER_COUNT = integer(1, 10_000)
-POSITIVE = Kind(lambda v: _finite(v) and v > 0, "a finite positive number")
-FRACTION = Kind(lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1]")
+POSITIVE = Kind(lambda v: is_finite(v) and v > 0, "a finite positive number")
+FRACTION = Kind(lambda v: is_finite(v) and 0 < v <= 1, "a number in (0, 1]")
 FLAG = Kind(lambda v: isinstance(v, bool), "true or false")
 STRING = Kind(lambda v: isinstance(v, str), "a string")
 STRINGS = Kind(lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),

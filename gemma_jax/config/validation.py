@@ -15,16 +15,21 @@ from gemma_jax.config.schema import (ACTIVATIONS, ATTENTION_KERNELS, ATTENTION_T
                                      layer_types)
 
 
-def _integer(value) -> bool:
+def is_integer(value) -> bool:
   """An int and not a bool: True would otherwise pass as the count 1."""
   return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _finite(value) -> bool:
-  """A finite real number: not None, a bool, inf or NaN (an inf soft cap or RoPE scale
-  validates as positive yet gives NaN logits or no rotation at all)."""
-  return (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(value))
+def is_finite(value) -> bool:
+  """A finite real number a float holds: not None, a bool, inf, NaN or an int past 1e308
+  (a checkpoint's config.json may hold one; an inf soft cap or RoPE scale validates as
+  positive yet gives NaN logits or no rotation at all)."""
+  if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    return False
+  try:
+    return math.isfinite(value)
+  except OverflowError:
+    return False
 
 
 def _validate_quant(m, need) -> None:
@@ -32,7 +37,7 @@ def _validate_quant(m, need) -> None:
        f"{QUANT_MODES}")
   need(m.quant != "fp8" or jax.default_backend() != "cpu", "quant",
        "fp8 needs a GPU or TPU backend; this one is the CPU (use int8 or int8_weights)")
-  need(_integer(m.quant_group_size) and m.quant_group_size >= 0, "quant_group_size",
+  need(is_integer(m.quant_group_size) and m.quant_group_size >= 0, "quant_group_size",
        f"must be a non-negative integer, got {m.quant_group_size!r}")
   need(not m.quant_logits or not m.logits_via_embedding, "quant_logits",
        "the logits are the tied embedding table, which stays float: set "
@@ -50,7 +55,7 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
   for field in ("vocab_size", "d_model", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "mlp_dim", "sliding_window"):
     value = m[field]
-    need(_integer(value) and value > 0, field, f"must be a positive integer, got {value!r}")
+    need(is_integer(value) and value > 0, field, f"must be a positive integer, got {value!r}")
   need(m.vocab_size < 2**31, "vocab_size",
        f"token ids are int32: must be below 2**31, got {m.vocab_size}")
   need(m.num_heads % m.num_kv_heads == 0, "num_kv_heads",
@@ -69,7 +74,7 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
          f"unknown attention type {kind!r}; known: {ATTENTION_TYPES}")
   for kind in ("local", "global"):
     fraction = m[f"rope_{kind}_fraction"]
-    need(_finite(fraction) and 0.0 < fraction <= 1.0, f"rope_{kind}_fraction",
+    need(is_finite(fraction) and 0.0 < fraction <= 1.0, f"rope_{kind}_fraction",
          f"must lie in (0, 1], got {fraction!r}")
   positive = ("rope_local_base", "rope_global_base", "rope_local_scale", "rope_global_scale",
               "norm_eps")
@@ -78,12 +83,12 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
     value = m[field]
     if value is None and field in optional:
       continue
-    need(_finite(value) and value > 0, field, f"must be a finite positive number"
+    need(is_finite(value) and value > 0, field, f"must be a finite positive number"
          f"{' or None' if field in optional else ''}, got {value!r}")
   # GPT-3 has learned positions and no RoPE (models/gpt3.py), so any head_dim loads.
   need(m.block_type == "gpt3" or m.head_dim % 2 == 0, "head_dim",
        f"must be even for RoPE, got {m.head_dim}")
-  need(_finite(m.dropout_rate) and 0.0 <= m.dropout_rate < 1.0, "dropout_rate",
+  need(is_finite(m.dropout_rate) and 0.0 <= m.dropout_rate < 1.0, "dropout_rate",
        f"must lie in [0, 1), got {m.dropout_rate!r}")
   need(m.scan_unroll in SCAN_UNROLLS, "scan_unroll",
        f"unknown scan unroll {m.scan_unroll!r}; known: {SCAN_UNROLLS}")
@@ -102,14 +107,14 @@ def validate(config: config_dict.ConfigDict) -> config_dict.ConfigDict:
 def _validate_attention_options(m: config_dict.ConfigDict, need) -> None:
   """Per-type heads and head dims, and the span types; `need(ok, field, message)`."""
   if m.global_num_kv_heads is not None:
-    need(_integer(m.global_num_kv_heads) and m.global_num_kv_heads > 0,
+    need(is_integer(m.global_num_kv_heads) and m.global_num_kv_heads > 0,
          "global_num_kv_heads", f"must be a positive integer or None, got "
          f"{m.global_num_kv_heads!r}")
     need(m.num_heads % m.global_num_kv_heads == 0, "global_num_kv_heads",
          f"num_heads={m.num_heads} is not divisible by global_num_kv_heads="
          f"{m.global_num_kv_heads}")
   if m.global_head_dim is not None:
-    need(_integer(m.global_head_dim) and m.global_head_dim > 0
+    need(is_integer(m.global_head_dim) and m.global_head_dim > 0
          and m.global_head_dim % 2 == 0, "global_head_dim",
          f"must be a positive even integer or None, got {m.global_head_dim!r}")
   need(isinstance(m.bidirectional_span_types, (tuple, list)), "bidirectional_span_types",
@@ -121,7 +126,7 @@ def _validate_attention_options(m: config_dict.ConfigDict, need) -> None:
 
 def _validate_experts(m: config_dict.ConfigDict, need) -> None:
   """The mixture-of-experts fields; `need(ok, field, message)`."""
-  need(_integer(m.num_experts) and m.num_experts >= 0, "num_experts",
+  need(is_integer(m.num_experts) and m.num_experts >= 0, "num_experts",
        f"must be an integer >= 0, got {m.num_experts!r}")
   need(m.attention_kernel in ATTENTION_KERNELS, "attention_kernel",
        f"unknown kernel {m.attention_kernel!r}; known: {ATTENTION_KERNELS}")
@@ -131,31 +136,31 @@ def _validate_experts(m: config_dict.ConfigDict, need) -> None:
   need(m.moe_dispatch in MOE_DISPATCHES, "moe_dispatch",
        f"unknown dispatch {m.moe_dispatch!r}; known: {MOE_DISPATCHES}")
   for field in ("load_balance_loss_weight", "router_z_loss_weight"):
-    need(_finite(m[field]) and m[field] >= 0, field,
+    need(is_finite(m[field]) and m[field] >= 0, field,
          f"must be a finite number >= 0, got {m[field]!r}")
   _validate_gemma4_small(m, need)
   if not m.num_experts:
     return
   need(m.block_type == "gemma4", "num_experts",
        f"experts need block_type 'gemma4', got {m.block_type!r}")
-  need(_integer(m.experts_per_token) and 1 <= m.experts_per_token <= m.num_experts,
+  need(is_integer(m.experts_per_token) and 1 <= m.experts_per_token <= m.num_experts,
        "experts_per_token", f"must lie in [1, num_experts={m.num_experts}], got "
        f"{m.experts_per_token!r}")
-  need(_integer(m.expert_mlp_dim) and m.expert_mlp_dim > 0, "expert_mlp_dim",
+  need(is_integer(m.expert_mlp_dim) and m.expert_mlp_dim > 0, "expert_mlp_dim",
        f"must be a positive integer when num_experts > 0, got {m.expert_mlp_dim!r}")
 
 
 def _validate_gemma4_small(m: config_dict.ConfigDict, need) -> None:
   """Per-layer inputs, shared key/value layers, the double-wide MLP; `need(ok, field,
   message)`."""
-  need(_integer(m.per_layer_input_dim) and m.per_layer_input_dim >= 0, "per_layer_input_dim",
+  need(is_integer(m.per_layer_input_dim) and m.per_layer_input_dim >= 0, "per_layer_input_dim",
        f"must be an integer >= 0, got {m.per_layer_input_dim!r}")
   if m.per_layer_vocab_size is not None:
-    need(_integer(m.per_layer_vocab_size) and 0 < m.per_layer_vocab_size <= m.vocab_size,
+    need(is_integer(m.per_layer_vocab_size) and 0 < m.per_layer_vocab_size <= m.vocab_size,
          "per_layer_vocab_size", f"must lie in [1, vocab_size={m.vocab_size}] or be None, got "
          f"{m.per_layer_vocab_size!r}")
   shared = m.num_kv_shared_layers
-  need(_integer(shared) and 0 <= shared < m.num_layers, "num_kv_shared_layers",
+  need(is_integer(shared) and 0 <= shared < m.num_layers, "num_kv_shared_layers",
        f"must lie in [0, num_layers={m.num_layers}): a shared layer reuses an earlier "
        f"layer's keys and values, got {shared!r}")
   need(isinstance(m.double_wide_mlp, bool), "double_wide_mlp",
@@ -177,10 +182,10 @@ def _validate_embeddings_and_gpt3(config: config_dict.ConfigDict, need) -> None:
   """Position embeddings and the GPT-3 fields; `need(ok, field, message)`."""
   m = config.model
   size = m.trainable_position_size
-  need(_integer(size) and size >= 0, "trainable_position_size",
+  need(is_integer(size) and size >= 0, "trainable_position_size",
        f"must be an integer >= 0, got {size!r}")
   # A seq_len that is no integer is named by _validate_training.
-  need(not size or not _integer(config.data.seq_len) or size >= config.data.seq_len,
+  need(not size or not is_integer(config.data.seq_len) or size >= config.data.seq_len,
        "trainable_position_size",
        f"{size} positions do not cover data.seq_len={config.data.seq_len}")
   need(not m.sinusoidal_position_embedding or m.d_model % 2 == 0,
@@ -207,12 +212,12 @@ def _validate_vision(m: config_dict.ConfigDict, need) -> None:
             "position_embedding_size") if gemma4 else
            ("image_size", "num_channels", "tokens_per_image"))
   for field in ("patch_size", "width", "num_layers", "num_heads", "mlp_dim") + sizes:
-    check(_integer(v[field]) and v[field] > 0, field,
+    check(is_integer(v[field]) and v[field] > 0, field,
           f"must be a positive integer, got {v[field]!r}")
   check(v.activation in ACTIVATIONS, "activation",
         f"unknown activation {v.activation!r}; known: {tuple(ACTIVATIONS)}")
   for field in ("layer_norm_eps",) + (("rope_base",) if gemma4 else ()):
-    check(_finite(v[field]) and v[field] > 0, field,
+    check(is_finite(v[field]) and v[field] > 0, field,
           f"must be a finite positive number, got {v[field]!r}")
   if gemma4:
     _validate_gemma4_vision(m, check)
@@ -221,7 +226,7 @@ def _validate_vision(m: config_dict.ConfigDict, need) -> None:
   ids = ("boi_token_id", "eoi_token_id", "image_token_id") + (
       ("pad_token_id",) if gemma4 else ("double_newline_token_id",))
   for i, field in enumerate(ids):
-    check(_integer(v[field]) and 0 <= v[field] < m.vocab_size, field,
+    check(is_integer(v[field]) and 0 <= v[field] < m.vocab_size, field,
           f"{v[field]!r} is outside the vocabulary [0, vocab_size={m.vocab_size})")
     for other in ids[:i]:
       check(v[field] != v[other], field, f"equals {other} ({v[other]}); the ids must differ")
@@ -274,14 +279,14 @@ class _Fields:
 
   def integer(self, field: str, minimum: int) -> None:
     v = self.value(field)
-    self.need(_integer(v) and v >= minimum, field,
+    self.need(is_integer(v) and v >= minimum, field,
               f"must be an integer >= {minimum}, got {v!r}")
 
   def number(self, field: str, interval: str) -> None:
     """interval: "(0, 1)", "[0, inf)", ... with 0, 1 or inf as bounds."""
     v = self.value(field)
     low, high = (float(b) for b in interval[1:-1].split(", "))
-    self.need(_finite(v) and (v > low if interval[0] == "(" else v >= low)
+    self.need(is_finite(v) and (v > low if interval[0] == "(" else v >= low)
               and (v < high if interval[-1] == ")" else v <= high), field,
               f"must lie in {interval}, got {v!r}")
 
@@ -318,7 +323,7 @@ def _validate_data(config: config_dict.ConfigDict, f: _Fields) -> None:
   f.need(config.train.init_from is None or (isinstance(config.train.init_from, str)
                                             and config.train.init_from.strip()),
          "train.init_from", "must name a transformers directory or a workdir, or be None")
-  f.need(config.train.init_from_step is None or (_integer(config.train.init_from_step)
+  f.need(config.train.init_from_step is None or (is_integer(config.train.init_from_step)
                                                  and config.train.init_from_step >= 0),
          "train.init_from_step", f"must be an integer >= 0, or None (the latest), got "
          f"{config.train.init_from_step!r}")
@@ -369,7 +374,7 @@ def _validate_run(config: config_dict.ConfigDict, f: _Fields) -> None:
 
   sizes = {axis: config.mesh[axis] for axis in MESH_AXES}
   for axis, size in sizes.items():
-    f.need(_integer(size) and (size >= 1 or size == -1), f"mesh.{axis}",
+    f.need(is_integer(size) and (size >= 1 or size == -1), f"mesh.{axis}",
            f"must be a positive integer or -1, got {size!r}")
   free = [axis for axis, size in sizes.items() if size == -1]
   if len(free) > 1:
