@@ -19,20 +19,11 @@ from gemma_jax.layers.attention import Attention
 from gemma_jax.layers.layer_norm import LayerNorm
 from gemma_jax.layers.mlp import Mlp
 from gemma_jax.layers.row_chunks import apply_in_row_chunks
-from gemma_jax.models.gemma3.layer import ACTIVATION_AXES, layer_output
+from gemma_jax.models.layer import ACTIVATION_AXES, DecoderLayer, layer_output
 
 
-class Gpt3Layer(nn.Module):
-  """x + attn(pre_attn_norm(x)), then x + mlp(pre_mlp_norm(x)); LayerNorms, biases.
-
-  Attributes:
-    config: the model section of the config.
-    attention_type: "local" (sliding window) or "global".
-    deterministic: disables dropout.
-  """
-  config: config_dict.ConfigDict
-  attention_type: str
-  deterministic: bool = True
+class Gpt3Layer(DecoderLayer):
+  """x + attn(pre_attn_norm(x)), then x + mlp(pre_mlp_norm(x)); LayerNorms, biases."""
 
   @staticmethod
   def make_norm(config: config_dict.ConfigDict, name: str) -> nn.Module:

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from gemma_jax.layers import activation_stats
 from gemma_jax.layers.mlp import GatedMlp
 from gemma_jax.layers.row_chunks import apply_in_row_chunks
-from gemma_jax.models.gemma3.layer import ACTIVATION_AXES, Gemma3Layer
+from gemma_jax.models.gemma3.layer import Gemma3Layer
+from gemma_jax.models.layer import ACTIVATION_AXES
 
 
 class ParallelLayer(Gemma3Layer):

@@ -3,7 +3,7 @@
 Its attention options come from the config, per attention type: key/value heads and
 head dim on global layers, keys reused as values, a value norm, RoPE base, scale and
 rotated fraction. `attention` and `feed_forward` are the hooks Gemma 4 overrides (its
-shared keys and values, its experts); `layer_output` ends every family's layer.
+shared keys and values, its experts).
 """
 
 import flax.linen as nn
@@ -12,26 +12,14 @@ import jax.numpy as jnp
 from ml_collections import config_dict
 
 from gemma_jax.config import attention_shape
-from gemma_jax.layers import activation_stats
 from gemma_jax.layers.attention import Attention
 from gemma_jax.layers.mlp import GatedMlp
 from gemma_jax.layers.norms import RMSNorm
 from gemma_jax.layers.row_chunks import apply_in_row_chunks
+from gemma_jax.models.layer import ACTIVATION_AXES, DecoderLayer, layer_output
 
-ACTIVATION_AXES = ("batch", "length", "embed")
-
-
-class Gemma3Layer(nn.Module):
-  """x + post_norm(attn(pre_norm(x))), then x + post_norm(feed_forward(x)).
-
-  Attributes:
-    config: the model section of the config.
-    attention_type: "local" (sliding window) or "global".
-    deterministic: disables dropout.
-  """
-  config: config_dict.ConfigDict
-  attention_type: str
-  deterministic: bool = True
+class Gemma3Layer(DecoderLayer):
+  """x + post_norm(attn(pre_norm(x))), then x + post_norm(feed_forward(x))."""
 
   @staticmethod
   def make_norm(config: config_dict.ConfigDict, name: str) -> nn.Module:
@@ -88,13 +76,3 @@ class Gemma3Layer(nn.Module):
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     y = self.attention()(self.norm("pre_attn_norm")(x), positions, masks[self.attention_type])
     return layer_output(self, self.feed_forward_residual(self.attention_residual(x, y)))
-
-
-def layer_output(layer: nn.Module, x: jax.Array) -> jax.Array:
-  """A layer's output [B, T, D]: dropout on it, its statistics recorded where the config
-  asks (`layer` has `config` and `deterministic`)."""
-  c = layer.config
-  x = nn.Dropout(c.dropout_rate, broadcast_dims=(-2,))(x, deterministic=layer.deterministic)
-  if c.record_internal_nn_metrics:
-    activation_stats.record(layer, x)
-  return nn.with_logical_constraint(x, ACTIVATION_AXES)

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.mlp import gated_activation
 from gemma_jax.layers.moe import MoeBlock
-from gemma_jax.models.gemma3.layer import ACTIVATION_AXES, Gemma3Layer, layer_output
+from gemma_jax.models.gemma3.layer import Gemma3Layer
+from gemma_jax.models.layer import ACTIVATION_AXES, layer_output
 
 
 class Gemma4Layer(Gemma3Layer):
