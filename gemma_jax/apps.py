@@ -67,7 +67,7 @@ def run(main: Callable[[List[str]], object], argv: Optional[List[str]] = None,
   try:
     app.run(_quietly(_with_compilation_cache(main)), argv=argv, flags_parser=parse_flags)
   except KeyboardInterrupt:
-    sys.stderr.write(f"{os.path.basename((argv or sys.argv)[0])}: interrupted\n")
+    sys.stderr.write(f"{os.path.basename(argv[0])}: interrupted\n")
     sys.exit(INTERRUPTED)
 
 

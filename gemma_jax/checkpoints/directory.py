@@ -67,7 +67,7 @@ def _holds_run(path: str) -> bool:
   return os.path.isdir(os.path.join(path, _RUN_DIR))
 
 
-def _unmarked(path: str, names: List[str]) -> str:
+def _unmarked(names: List[str]) -> str:
   """What a directory that no export marked holds, in a few words."""
   for name, kind in _KIND_FILES.items():
     if name in names:
@@ -103,7 +103,7 @@ def check_destination(path: str, kind: str, source: Optional[str] = None,
     return
   marker = read_marker(path)
   if marker is None:
-    raise CheckpointError(f"{path}: {_unmarked(path, names)}: export to a new or empty "
+    raise CheckpointError(f"{path}: {_unmarked(names)}: export to a new or empty "
                           f"directory, or {_OVERWRITE}")
   if marker["kind"] != kind:
     raise CheckpointError(f"{path}: holds {marker['kind']}, which this export of {kind} "
