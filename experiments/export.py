@@ -27,11 +27,11 @@ from absl import app
 from absl import flags
 
 from gemma_jax import apps, hf, quant
-from gemma_jax.training import workdir as workdir_lib
 from gemma_jax.checkpoints import CheckpointError, directory, peft_adapters
 from gemma_jax.config import ConfigError
-from gemma_jax.training import checkpoints, init_from
 from gemma_jax.text import tokenizers
+from gemma_jax.training import checkpoints, init_from
+from gemma_jax.training import workdir as workdir_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir to export.")
 _OUT = flags.DEFINE_string("out", None, "Directory to write.")

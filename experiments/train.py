@@ -44,9 +44,9 @@ from ml_collections import config_flags
 
 from gemma_jax import apps, sharding
 from gemma_jax.config import ConfigError
-from gemma_jax.training.workdir import WorkdirError
 from gemma_jax.training import loop
 from gemma_jax.training.checkpoints import CheckpointError
+from gemma_jax.training.workdir import WorkdirError
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "configs",
                               "gemma3_tiny.py")

@@ -38,12 +38,12 @@ from gemma_jax.layers.attention import (CausalBlocks, CausalMask, attention_mask
 from gemma_jax.layers.embed import Embed, sinusoidal
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.matmul import unfused
-from gemma_jax.models.gemma4.per_layer_inputs import PerLayerInputs
+from gemma_jax.models import towers
 from gemma_jax.models.gemma3.layer import Gemma3Layer
 from gemma_jax.models.gemma4.layer import Gemma4Layer
+from gemma_jax.models.gemma4.per_layer_inputs import PerLayerInputs
 from gemma_jax.models.gpt3 import Gpt3Layer
 from gemma_jax.models.parallel import ParallelLayer
-from gemma_jax.models import towers
 
 LAYERS = {"gemma3": Gemma3Layer, "gemma4": Gemma4Layer, "gpt3": Gpt3Layer,
           "parallel": ParallelLayer}

@@ -26,8 +26,8 @@ import optax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from ml_collections import config_dict
 
-from gemma_jax.config import BATCH_AXES, MESH_AXES, ConfigError
 from gemma_jax import transformer
+from gemma_jax.config import BATCH_AXES, MESH_AXES, ConfigError
 
 RULES = (
     ("batch", BATCH_AXES),

@@ -26,10 +26,10 @@ from gemma_jax import decoder
 from gemma_jax import lora as lora_lib
 from gemma_jax.decoder import Decoder
 from gemma_jax.layers import activation_stats, chunked_loss, moe
+from gemma_jax.layers import loss as loss_lib
 from gemma_jax.models import towers
 from gemma_jax.models.gemma3 import vision
 from gemma_jax.quant import projections
-from gemma_jax.layers import loss as loss_lib
 
 
 class Transformed(NamedTuple):

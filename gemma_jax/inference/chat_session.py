@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax.text import chat
 from gemma_jax.inference import decode_jit
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.inference import sampler
 from gemma_jax.inference import sampling
-from gemma_jax.text import text_stream
 from gemma_jax.layers import kv_cache
+from gemma_jax.text import chat
+from gemma_jax.text import text_stream
 
 _choose = jax.jit(sampling.choose)   # one program per kind of options, whatever their values
 

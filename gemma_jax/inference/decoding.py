@@ -40,11 +40,11 @@ from gemma_jax import config as config_lib
 from gemma_jax import transformer
 from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
 from gemma_jax.inference import decode_jit
+from gemma_jax.layers import kv_cache
 from gemma_jax.layers import moe
 from gemma_jax.layers.attention import Decode, Extend, Prefill, attention_mask
 from gemma_jax.models import towers
 from gemma_jax.models.gemma3 import vision
-from gemma_jax.layers import kv_cache
 from gemma_jax.transformer import _check_positions, _check_tokens
 
 

@@ -22,8 +22,8 @@ from ml_collections import config_dict
 from gemma_jax.inference import decode_jit
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.inference import sampling
-from gemma_jax.models import towers
 from gemma_jax.layers import kv_cache
+from gemma_jax.models import towers
 
 
 # Per family, the name that places an image in a text prompt given with images, and the

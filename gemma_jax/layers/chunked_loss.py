@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemma_jax.layers.attention import softcap
-from gemma_jax.layers.matmul import transposed
 from gemma_jax.layers.loss import TokenLosses
+from gemma_jax.layers.matmul import transposed
 
 MIN_LOGITS_BYTES = 1 << 28     # float32 logits per chunk: at least 256 MiB
 MIN_ROWS = 2048                # and at least this many positions (over the batch)

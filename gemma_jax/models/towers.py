@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax.models.gemma4 import images as gemma4_images
 from gemma_jax.models.gemma3 import images as image_inputs
-from gemma_jax.models.gemma4 import vision as gemma4_vision
 from gemma_jax.models.gemma3 import vision
+from gemma_jax.models.gemma4 import images as gemma4_images
+from gemma_jax.models.gemma4 import vision as gemma4_vision
 
 
 class _Tower(NamedTuple):

@@ -23,9 +23,9 @@ import numpy as np
 import sentencepiece
 import tokenizers as hf_tokenizers
 
-from gemma_jax.text import chat
 from gemma_jax.checkpoints import bounded_json
 from gemma_jax.config import ConfigError
+from gemma_jax.text import chat
 
 # Names of the special tokens, by the marker style they belong to.
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"

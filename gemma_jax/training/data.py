@@ -38,9 +38,9 @@ import jax
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax.text import chat
 from gemma_jax.checkpoints import bounded_json
 from gemma_jax.config import ConfigError
+from gemma_jax.text import chat
 
 
 class DataError(ConfigError):

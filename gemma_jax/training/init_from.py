@@ -14,10 +14,10 @@ import jax
 from ml_collections import config_dict
 
 from gemma_jax import hf, lora, quant, sharding, transformer
-from gemma_jax.training import workdir as workdir_lib
 from gemma_jax.config import ConfigError
-from gemma_jax.training import checkpoints, optimizer, steps
 from gemma_jax.text import tokenizers
+from gemma_jax.training import checkpoints, optimizer, steps
+from gemma_jax.training import workdir as workdir_lib
 
 # Model fields that change how the model is computed, not what it computes.
 COMPUTE_FIELDS = ("name", "dtype", "param_dtype", "scan_layers", "scan_unroll", "remat_policy",

@@ -53,13 +53,13 @@ import jax.numpy as jnp
 import numpy as np
 from ml_collections import config_dict
 
-from gemma_jax.models.gemma4.images import ImagePatches
 from gemma_jax.layers.attention import dot_product_attention
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.mlp import gated_activation
 from gemma_jax.layers.norms import RMSNorm
 from gemma_jax.layers.rope import apply_rope
 from gemma_jax.models.gemma3 import vision
+from gemma_jax.models.gemma4.images import ImagePatches
 
 
 # ----------------------------------------------------------------------------- pieces
