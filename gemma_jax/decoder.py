@@ -5,20 +5,22 @@ The attention pattern (e.g. 5 local, 1 global) repeats every `len(pattern)` laye
 period is a `Block`. With `scan_layers` runs of whole periods (`scan_segments`) run
 under `nn.scan` (parameters stacked on a leading "layers" axis; rolled into a loop, the
 program does not grow with depth, unrolled by `scan_unroll` it skips the loop's stacked
-activations): "blocks", the leading periods whose layers all have the pattern's types,
-and, in a model with shared key/value layers (Gemma 4's small ones), "shared_blocks",
-the whole periods among those. The other layers run unscanned. Without it every layer
-is unrolled. Parameter names:
+activations). Which layers run where is the family's plan (`models.plan`, one
+`LayerSpec` per layer, from `models.families`): each scan group of the plan gets one
+segment, the whole periods from the first period start among its layers whose specs
+repeat the first period's and whose types are the pattern's ("blocks" from layer 0 for
+every family; Gemma 4's shared key/value layers also "shared_blocks"). The other layers
+run unscanned. Without it every layer is unrolled. Parameter names:
 
-  scanned:   blocks/layer_{j}/...         (stacked, block b holds layer b * period + j)
-             shared_blocks/layer_{j}/...  (block b holds layer start + b * period + j)
-             layers_{i}/...               (the layers outside both)
-  unrolled:  layers_{i}/...               for every i
+  scanned:   {group}/layer_{j}/...  (stacked, block b holds layer start + b * period + j)
+             layers_{i}/...         (the layers outside the segments)
+  unrolled:  layers_{i}/...         for every i
 
 `stack_layers` / `unstack_layers` convert between the two, and between the vision
 tower's scanned `vision/encoder/layers` and unrolled `vision/encoder/layers_{i}`.
-With `per_layer_input_dim` the decoder computes every layer's per-layer input first
-(`models.gemma4.per_layer_inputs`) and hands each layer its slice.
+The family's side inputs (Gemma 4's per-layer inputs) are computed once, after the
+embedding; each layer gets its slice and what earlier layers handed on
+(`Family.run_layer`).
 """
 
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
@@ -31,7 +33,7 @@ import numpy as np
 from ml_collections import config_dict
 
 from gemma_jax import remat
-from gemma_jax.config import attention_shape, kv_sharing_modes, layer_types
+from gemma_jax.config import attention_shape, layer_types
 from gemma_jax.layers.attention import (CausalBlocks, CausalMask, attention_mask,
                                         causal_block_size, cudnn_fused, local_blocks,
                                         softcap)
@@ -39,53 +41,43 @@ from gemma_jax.layers.embed import Embed, sinusoidal
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.matmul import unfused
 from gemma_jax.models import towers
-from gemma_jax.models.gemma3.layer import Gemma3Layer
-from gemma_jax.models.gemma4.layer import Gemma4Layer
-from gemma_jax.models.gemma4.per_layer_inputs import PerLayerInputs
-from gemma_jax.models.gpt3 import Gpt3Layer
-from gemma_jax.models.parallel import ParallelLayer
-
-LAYERS = {"gemma3": Gemma3Layer, "gemma4": Gemma4Layer, "gpt3": Gpt3Layer,
-          "parallel": ParallelLayer}
+from gemma_jax.models.families import FAMILIES
+from gemma_jax.models.plan import LayerSpec
 
 
 class Segment(NamedTuple):
-  """`count` whole pattern periods from layer `start` run under one nn.scan, named `name`;
-  their layers' key/value sharing is `kv_sharing` (None or "reuse")."""
+  """`count` whole pattern periods from layer `start` run under one nn.scan named `name`
+  (the plan's scan group); each period's layers are `specs`."""
   name: str
   start: int
   count: int
-  kv_sharing: Optional[str]
+  specs: Tuple[LayerSpec, ...]
 
 
 def scan_segments(config: config_dict.ConfigDict) -> Tuple[Segment, ...]:
-  """The scanned runs of whole periods (none when unrolled): "blocks" from layer 0 and,
-  with shared key/value layers, "shared_blocks" from the first period start among them;
-  each as long as its periods' layers have the pattern's types and one sharing mode.
-  The layers outside them (a "store" layer's period, the rest) run unscanned."""
+  """The scanned runs of whole periods (none when unrolled), one per scan group of the
+  family's plan (see the module docstring)."""
   return _segments(config) if config.scan_layers else ()
 
 
 def _segments(config: config_dict.ConfigDict) -> Tuple[Segment, ...]:
   """`scan_segments` of the config scanned."""
-  period = len(config.attention_pattern)
-  types, modes = layer_types(config), kv_sharing_modes(config)
-  first_shared = config.num_layers - config.num_kv_shared_layers
-
-  def run(name, start, mode):
+  period, pattern = len(config.attention_pattern), tuple(config.attention_pattern)
+  specs = FAMILIES[config.block_type].plan(config)
+  segments = []
+  for group in dict.fromkeys(spec.group for spec in specs if spec.group):
+    first = next(i for i, spec in enumerate(specs) if spec.group == group)
+    start = -(-first // period) * period
+    unit = specs[start:start + period]
     count = 0
-    while start + (count + 1) * period <= config.num_layers:
-      layers = range(start + count * period, start + (count + 1) * period)
-      if any(types[i] != config.attention_pattern[i - start - count * period]
-             or modes[i] != mode for i in layers):
-        break
+    while (start + (count + 1) * period <= config.num_layers
+           and tuple(spec.kind for spec in unit) == pattern
+           and all(spec.group == group for spec in unit)
+           and specs[start + count * period:start + (count + 1) * period] == unit):
       count += 1
-    return Segment(name, start, count, mode)
-
-  segments = [run("blocks", 0, None)]
-  if config.num_kv_shared_layers:
-    segments.append(run("shared_blocks", -(-first_shared // period) * period, "reuse"))
-  return tuple(s for s in segments if s.count)
+    if count:
+      segments.append(Segment(group, start, count, unit))
+  return tuple(segments)
 
 
 def scanned_block_count(config: config_dict.ConfigDict) -> int:
@@ -160,7 +152,7 @@ def _with_remat(module_cls, config, prevent_cse):
 
 def _traced_once(layer_cls, caller: nn.Module):
   """`layer_cls` under `nn.jit`, made afresh per call: the layers built from it with
-  equal fields (attention type, sharing mode) then share one trace, so lowering a
+  equal fields (attention type, the plan's fields) then share one trace, so lowering a
   program traces each kind of layer once, not every layer (XLA still gets every layer:
   the compiled program is unchanged). Not while `caller`'s layers draw random numbers
   (init, dropout): nn.jit forks their keys, and a seed must draw the same values whether
@@ -177,37 +169,36 @@ def _traced_once(layer_cls, caller: nn.Module):
   return nn.jit(layer_cls)
 
 
-def _layer_options(kv_sharing: Optional[str]) -> dict:
-  """The layer fields beyond Gemma 3's: only Gemma 4 shares keys and values."""
-  return {"kv_sharing": kv_sharing} if kv_sharing else {}
+def _layer(layer_cls, config, spec: LayerSpec, deterministic: bool, name: str) -> nn.Module:
+  """The family's layer at one depth, as its spec says."""
+  return layer_cls(config, spec.kind, deterministic, name=name, **dict(spec.fields))
 
 
-def _gemma4_inputs(config: config_dict.ConfigDict, per_layer_input, shared_kv) -> tuple:
-  """The arguments Gemma 4's small models add to a layer's call (none otherwise)."""
-  if config.per_layer_input_dim or config.num_kv_shared_layers:
-    return (per_layer_input, shared_kv)
-  return ()
+def _at(side: Any, i: Any) -> Any:
+  """The side inputs [L, ...] of layer (or layers) `i`; None stays None."""
+  return jax.tree_util.tree_map(lambda a: a[i], side)
 
 
 class Block(nn.Module):
-  """One period of the attention pattern; returns (x, None) to serve as a scan body.
+  """One period of layers `specs`; returns (x, None) to serve as a scan body.
 
-  per_layer: [period, B, T, P] the period's per-layer inputs, or None; shared_kv:
-  {attention type: (keys, values)} for kv_sharing "reuse", or None.
+  side: the period's side inputs [period, B, T, ...], or None; handed: what earlier
+  layers handed on (read only: a scanned layer hands nothing on).
   """
   config: config_dict.ConfigDict
-  deterministic: bool = True
-  kv_sharing: Optional[str] = None
+  deterministic: bool
+  specs: Tuple[LayerSpec, ...]
 
   @nn.compact
-  def __call__(self, x, positions, masks, per_layer=None, shared_kv=None):
-    c = self.config
-    layer_cls = _traced_once(LAYERS[c.block_type], self)
-    for j, kind in enumerate(c.attention_pattern):
-      extra = _gemma4_inputs(c, None if per_layer is None else per_layer[j],
-                             None if shared_kv is None else shared_kv[kind])
-      x = layer_cls(c, kind, self.deterministic, name=f"layer_{j}",
-                    **_layer_options(self.kv_sharing))(x, positions, masks, *extra)
+  def __call__(self, x, positions, masks, side=None, handed=None):
+    family = FAMILIES[self.config.block_type]
+    layer_cls = _traced_once(family.layer, self)
+    for j, spec in enumerate(self.specs):
+      layer = _layer(layer_cls, self.config, spec, self.deterministic, f"layer_{j}")
+      x, after = family.run_layer(layer, x, positions, masks, _at(side, j), handed)
+      if after is not handed:
+        raise ValueError(f"layer_{j} of a scanned period hands state on: its plan must "
+                         f"give it scan group None")
     return x, None
 
 
@@ -218,8 +209,8 @@ class Decoder(nn.Module):
   embedding of the positions and/or a learned [trainable_position_size, D] table
   `position_embed`. Logits: the tied token table, or a [D, V] kernel `logits`.
   With `vision.enabled`, the block type's `vision` tower (`models.towers`) turns images
-  into soft tokens that replace the embeddings of the image placeholder ids; Gemma 4's
-  per-layer inputs read the placeholders as `vision.pad_token_id`.
+  into soft tokens that replace the embeddings of the image placeholder ids. The
+  family's side inputs (`models.plan`) are computed from the tokens and embeddings.
 
   Attributes:
     config: the model section of the config.
@@ -243,7 +234,7 @@ class Decoder(nn.Module):
       padding.
 
     masks: {attention type: [B, T, S] mask, `attention.LocalBlocks`, `CausalBlocks` or
-      `CausalMask`, or an `attention.Prefill` / `Decode` / `Extend` cache access}
+      `CausalMask`, or a cache access of `layers.cache_access`}
       replacing the masks built from
       segment_ids and span_ids (decoding; the layers' caches are then the "cache"
       collection, see `gemma_jax.inference.decoding`).
@@ -263,20 +254,15 @@ class Decoder(nn.Module):
       x = x + Embed(c.trainable_position_size, c.d_model, scale_by_sqrt_dim=False, dtype=dtype,
                     param_dtype=param_dtype, name="position_embed").encode(positions)
 
-    per_layer = None
-    if c.per_layer_input_dim:
-      per_layer = PerLayerInputs(
-          c.num_layers, c.per_layer_input_dim, c.per_layer_vocab_size or c.vocab_size,
-          c.norm_eps, c.norm_plus_one, dtype, param_dtype,
-          name="per_layer_inputs")(towers.text_ids(c, tokens), x)    # [B, T, L, P]
+    side = FAMILIES[c.block_type].side_inputs(c, tokens, x)           # [L, B, T, ...]
 
     if masks is None:
       packed = segment_ids is not None
       segment_ids = segment_ids if packed else jnp.ones_like(tokens)
       masks = layer_masks(c, segment_ids, span_ids, blocked=True, packed=packed)
-    x = self._layers(x, positions, masks, per_layer)
+    x = self._layers(x, positions, masks, side)
 
-    x = unfused(LAYERS[c.block_type].make_norm(c, "final_norm")(x))
+    x = unfused(FAMILIES[c.block_type].layer.make_norm(c, "final_norm")(x))
     if return_hidden:
       if not c.logits_via_embedding:
         raise ValueError("return_hidden needs the tied embedding (logits_via_embedding)")
@@ -292,23 +278,22 @@ class Decoder(nn.Module):
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
-  def _layers(self, x, positions, masks, per_layer):
-    """The layers in order: scanned segments, the others one by one, "store" layers'
-    keys and values kept for the "reuse" layers after them."""
+  def _layers(self, x, positions, masks, side):
+    """The layers in order: the scanned segments, the others one by one, each handed
+    what the layers before it handed on."""
     c = self.config
-    period = len(c.attention_pattern)
-    types, modes = layer_types(c), kv_sharing_modes(c)
+    family, period = FAMILIES[c.block_type], len(c.attention_pattern)
+    specs = family.plan(c)
     segments = {s.start: s for s in scan_segments(c)}
-    layer_cls = _with_remat(_traced_once(LAYERS[c.block_type], self), c, prevent_cse=True)
-    shared = {}          # attention type -> (keys, values) of its "store" layer
+    layer_cls = _with_remat(_traced_once(family.layer, self), c, prevent_cse=True)
+    handed = {}
     i = 0
     while i < c.num_layers:
       if i in segments:
         s = segments[i]
-        blocks_per_layer = None
-        if per_layer is not None:   # [B, T, L, P] -> [count, period, B, T, P]
-          blocks_per_layer = per_layer[:, :, i:i + s.count * period].reshape(
-              *per_layer.shape[:2], s.count, period, -1).transpose(2, 3, 0, 1, 4)
+        end = i + s.count * period   # side [L, ...] -> [count, period, ...]
+        blocks_side = jax.tree_util.tree_map(
+            lambda a: a[i:end].reshape(s.count, period, *a.shape[1:]), side)
         unrolled = scan_unrolled(c)
         blocks = nn.scan(   # remat may skip its CSE barrier only inside a loop
             _with_remat(Block, c, prevent_cse=unrolled),
@@ -318,17 +303,12 @@ class Decoder(nn.Module):
             length=s.count,
             unroll=0 if unrolled else 1,   # 0: every step, even of a length-1 scan
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(c, self.deterministic, s.kv_sharing, name=s.name)
-        x, _ = blocks(x, positions, masks, blocks_per_layer, shared or None)
-        i += s.count * period
+        )(c, self.deterministic, s.specs, name=s.name)
+        x, _ = blocks(x, positions, masks, blocks_side, handed)
+        i = end
         continue
-      extra = _gemma4_inputs(c, None if per_layer is None else per_layer[:, :, i],
-                             shared.get(types[i]) if modes[i] == "reuse" else None)
-      out = layer_cls(c, types[i], self.deterministic, name=f"layers_{i}",
-                      **_layer_options(modes[i]))(x, positions, masks, *extra)
-      if modes[i] == "store":
-        out, shared[types[i]] = out
-      x = out
+      layer = _layer(layer_cls, c, specs[i], self.deterministic, f"layers_{i}")
+      x, handed = family.run_layer(layer, x, positions, masks, _at(side, i), handed)
       i += 1
     return x
 

@@ -16,10 +16,10 @@ import torch
 import transformers
 
 import gemma_jax as gj
-from gemma_jax import config as config_lib
 from gemma_jax import decoder, planning, sharding
 from gemma_jax.checkpoints import safetensors_io
 from gemma_jax.inference import decoding, sampler
+from gemma_jax.models.gemma4 import plan as gemma4_plan
 from gemma_jax.training import metrics
 from test_gemma4 import VOCAB, random_model, saved_checkpoint, token_batch
 from test_sharding import MESHES
@@ -67,7 +67,7 @@ def test_loaded_logits_match_transformers(checkpoint, scan_layers):
   m = config.model
   assert m.per_layer_input_dim == (model.config.hidden_size_per_layer_input or 0)
   assert m.num_kv_shared_layers == model.config.num_kv_shared_layers
-  shared = [i for i, mode in enumerate(config_lib.kv_sharing_modes(m)) if mode == "reuse"]
+  shared = [i for i, mode in enumerate(gemma4_plan.kv_sharing_modes(m)) if mode == "reuse"]
   unrolled = decoder.unstack_layers(params, m)
   for i in shared:   # no key/value weights of their own
     assert "k" not in unrolled[f"layers_{i}"]["attn"]
@@ -143,7 +143,7 @@ def test_greedy_decoding_equals_transformers_generate(tmp_path):
 def test_shared_layers_hold_no_cache_bytes():
   """gemma4-e2b at 32k positions: 20 of 35 layers shared (16 local, 4 global)."""
   config = gj.get_config("gemma4-e2b")
-  own = config_lib.kv_sharing_modes(config.model)
+  own = gemma4_plan.kv_sharing_modes(config.model)
   types = decoder.layer_types(config.model)
   length, window = 32768, 512
   got = planning.cache_bytes(config, batch_size=1, cache_length=length)["cache"]
@@ -200,8 +200,9 @@ def test_parameter_count_matches_transformers(name):
 
 def test_small_presets_scan_their_shared_layers():
   segments = decoder.scan_segments(gj.get_config("gemma4-e2b").model)
-  assert [(s.name, s.start, s.count, s.kv_sharing) for s in segments] == [
-      ("blocks", 0, 2, None), ("shared_blocks", 15, 4, "reuse")]   # 10..14 hold the "store"s
+  assert [(s.name, s.start, s.count, {dict(spec.fields).get("kv_sharing") for spec in s.specs})
+          for s in segments] == [
+      ("blocks", 0, 2, {None}), ("shared_blocks", 15, 4, {"reuse"})]   # 10..14 hold the "store"s
 
 
 def small_model(**fields):

@@ -17,6 +17,7 @@ import gemma_jax as gj
 from gemma_jax import decoder, remat, transformer
 from gemma_jax.layers import attention, norms
 from gemma_jax.layers.attention import CausalBlocks, CausalMask, LocalBlocks
+from gemma_jax.models.families import FAMILIES
 from gemma_jax.transformer import positions_from_segments
 from jaxpr_shapes import shapes
 
@@ -501,7 +502,7 @@ def test_dropout_mask_is_shared_along_the_length(block_type):
   """A layer's output dropout drops the same features at every position of a row and
   scales what it keeps by 1 / (1 - rate)."""
   config = tiny(dropout_rate=0.5, block_type=block_type)
-  layer = decoder.LAYERS[block_type](config.model, "global", deterministic=False)
+  layer = FAMILIES[block_type].layer(config.model, "global", deterministic=False)
   x = jax.random.normal(jax.random.key(0), (2, 7, 32))
   positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
   masks = decoder.layer_masks(config.model, jnp.ones((2, 7), jnp.int32))

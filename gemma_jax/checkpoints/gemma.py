@@ -19,6 +19,8 @@ from gemma_jax import config as config_lib
 from gemma_jax.checkpoints import gemma_config
 from gemma_jax.checkpoints import tower_layout
 from gemma_jax.checkpoints.family import Family
+from gemma_jax.models.gemma4.plan import kv_sharing_modes
+
 
 class Tensor(NamedTuple):
   """Where one of our parameters lives in transformers' layout."""
@@ -176,5 +178,5 @@ def _unused_by_shared_layers(m: config_dict.ConfigDict) -> set:
   """Key/value weights a published Gemma 4 checkpoint holds for its shared key/value
   layers, which compute none (transformers skips them too)."""
   return {f"layers.{i}.self_attn.{name}.weight" for i, mode in enumerate(
-      config_lib.kv_sharing_modes(m)) if mode == "reuse"
+      kv_sharing_modes(m)) if mode == "reuse"
           for name in ("k_proj", "v_proj", "k_norm", "v_norm")}

@@ -10,7 +10,6 @@ from gemma_jax.config.schema import (ACTIVATIONS, ATTENTION_KERNELS, ATTENTION_T
                                      MESH_AXES, MOE_DISPATCHES, QUANT_MODES, SCAN_UNROLLS,
                                      ConfigError, attention_shape, checkpoint_config,
                                      data_config, default_config, field_notes,
-                                     kv_sharing_modes,
                                      layer_types, lora_config, mesh_config, model_config,
                                      optimizer_config, sample_config, train_config,
                                      vision_config)
@@ -20,5 +19,5 @@ __all__ = ["ACTIVATIONS", "ATTENTION_KERNELS", "ATTENTION_TYPES", "BATCH_AXES",
            "BLOCK_TYPES", "DATA_FORMATS", "DTYPES", "MESH_AXES", "MOE_DISPATCHES",
            "QUANT_MODES", "SCAN_UNROLLS", "ConfigError", "attention_shape",
            "check_sample_fits", "checkpoint_config", "data_config", "default_config", "field_notes",
-           "kv_sharing_modes", "layer_types", "lora_config", "mesh_config", "model_config",
+           "layer_types", "lora_config", "mesh_config", "model_config",
            "optimizer_config", "sample_config", "train_config", "validate", "vision_config"]

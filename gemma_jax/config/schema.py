@@ -44,18 +44,6 @@ def attention_shape(model: config_dict.ConfigDict, kind: str) -> tuple:
   return model.num_kv_heads, model.head_dim
 
 
-def kv_sharing_modes(model: config_dict.ConfigDict) -> tuple:
-  """Per layer: None, "store" (the last layer of its attention type before the shared
-  ones: its keys and values serve them) or "reuse" (a shared layer)."""
-  first = model.num_layers - model.num_kv_shared_layers
-  types = layer_types(model)
-  modes = [None] * first + ["reuse"] * model.num_kv_shared_layers
-  if model.num_kv_shared_layers:
-    for kind in set(types[first:]):
-      modes[max(i for i in range(first) if types[i] == kind)] = "store"
-  return tuple(modes)
-
-
 class ConfigError(ValueError):
   """A config field holds a value the model cannot be built with."""
 

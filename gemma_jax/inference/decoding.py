@@ -42,7 +42,8 @@ from gemma_jax.decoder import layer_masks, layer_types, unstack_layers
 from gemma_jax.inference import decode_jit
 from gemma_jax.layers import kv_cache
 from gemma_jax.layers import moe
-from gemma_jax.layers.attention import Decode, Extend, Prefill, attention_mask
+from gemma_jax.layers.attention import attention_mask
+from gemma_jax.layers.cache_access import Decode, Extend, Prefill
 from gemma_jax.models import towers
 from gemma_jax.models.gemma3 import vision
 from gemma_jax.transformer import _check_positions, _check_tokens
@@ -157,8 +158,10 @@ class Decoding:
     params = unstack_layers(params, self.model)
     return moe.split_experts(params) if self._split_experts else params
 
-  def _run(self, params, layers, tokens, positions, segment_ids, masks, images=None):
-    """The decoder with cache accesses `masks`: (logits, the "cache" collection after)."""
+  def apply_with_cache(self, params, layers, tokens, positions, segment_ids, masks,
+                       images=None):
+    """The decoder with cache accesses `masks` (`layers.cache_access`) over the "cache"
+    collection `layers` (None: none yet): (logits, the collection after). Traceable."""
     params = self._unrolled(params)
     variables = {"params": params} if layers is None else {"params": params, "cache": layers}
     logits, state = self._module.apply(variables, tokens, positions, segment_ids,
@@ -177,8 +180,9 @@ class Decoding:
                             (positions[kind] >= 0).astype(jnp.int32),
                             window=_window(self.model, kind))
       masks[kind] = Decode(mask, slot[:, None])
-    logits, layers = self._run(params, cache.layers, tokens[:, None], position[:, None],
-                               jnp.ones_like(tokens[:, None]), masks)
+    logits, layers = self.apply_with_cache(params, cache.layers, tokens[:, None],
+                                           position[:, None], jnp.ones_like(tokens[:, None]),
+                                           masks)
     return logits[:, 0], Cache(layers, positions, position + 1)
 
   def _fill_caches(self, params, tokens, lengths, images, cache_length, cache_dtype):
@@ -198,7 +202,7 @@ class Decoding:
     for kind, size in ring_sizes(self.model, cache_length).items():
       sources, positions[kind] = _ring_sources(filled, size)
       masks[kind] = Prefill(prompt_masks[kind], sources)
-    _, layers = self._run(params, None, chunk, index, segment_ids, masks, images)
+    _, layers = self.apply_with_cache(params, None, chunk, index, segment_ids, masks, images)
     layers = kv_cache.store(layers, cache_dtype)
     last = jnp.take_along_axis(tokens, filled[:, None], axis=1)[:, 0]
     return last, Cache(layers, positions, filled)
@@ -257,7 +261,7 @@ class Decoding:
   def _chunk(self, params, tokens: jax.Array, counts: jax.Array, cache: Cache) -> Cache:
     """tokens [B, T] at each row's next positions, of which each row's first `counts` [B]
     are its own and the rest padding, attending over the cache and each other in one call
-    (`attention.Extend`) -> the cache with the real ones. A query sees what it would see
+    (`cache_access.Extend`) -> the cache with the real ones. A query sees what it would see
     decoded token by token: filled slots and earlier chunk tokens, the last S positions
     of a ring of S slots (on local layers, S is at most the window). Padding is neither
     stored nor seen; its queries sit at the row's next position, a valid one, so that a
@@ -278,7 +282,8 @@ class Decoding:
                             window=size)
       masks[kind] = Extend(mask, slots)
       positions[kind] = ring.at[rows, slots].set(new, mode="drop")
-    _, layers = self._run(params, cache.layers, tokens, queries, jnp.ones_like(tokens), masks)
+    _, layers = self.apply_with_cache(params, cache.layers, tokens, queries,
+                                      jnp.ones_like(tokens), masks)
     return Cache(layers, positions, cache.next_position + counts)
 
   def _extend_but_last(self, params, tokens, lengths, cache):

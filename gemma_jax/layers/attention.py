@@ -13,11 +13,8 @@ given (ours, XLA's). cuDNN's fused kernel (the "jax" kernel on a GPU) takes a ca
 layer's mask as `CausalMask` instead: the whole [B, T, T] mask with its structure
 (causal, and the window), from which it skips the masked tiles itself.
 
-Decoding replaces a layer's mask by a cache access (`Prefill`, `Decode` or `Extend`):
-the layer then keeps its keys and values in the "cache" variable collection, a ring of S
-slots ("k", "v": [B, S, K, H]; int8 ones with float32 scales "k_scale", "v_scale" [B, S,
-K], see `gemma_jax.layers.kv_cache`); which position each slot holds is the decoder's
-bookkeeping (`gemma_jax.inference.decoding`), shared by all layers of one attention type.
+Decoding replaces a layer's mask by a cache access (`gemma_jax.layers.cache_access`):
+the layer then keeps its keys and values in the "cache" variable collection.
 """
 
 import functools
@@ -30,7 +27,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from gemma_jax.layers import kv_cache
+from gemma_jax.layers import cache_access
 from gemma_jax.layers.linear import Linear
 from gemma_jax.layers.norms import RMSNorm
 from gemma_jax.layers.rope import apply_rope
@@ -286,32 +283,6 @@ def _attention_backward(logit_softcap, residuals, d_out):
 grouped_attention.defvjp(_attention_forward, _attention_backward)
 
 
-class Prefill(NamedTuple):
-  """Replaces a layer's mask to fill its cache: attend over the T new keys under `mask`
-  (the prompt's own mask, in any form a layer takes: [B, T, T], `LocalBlocks`,
-  `CausalBlocks` or `CausalMask`, so a long prompt skips masked work as a forward pass
-  does), then store in the S cache slots the new keys and values at token indices
-  `sources` [B, S] (slots the decoder marks empty hold anything)."""
-  mask: Union[jax.Array, LocalBlocks, CausalBlocks, CausalMask]
-  sources: jax.Array
-
-
-class Decode(NamedTuple):
-  """Replaces a layer's mask to extend its cache: write the T new keys and values into
-  the cache slots `slots` [B, T], then attend over all S slots under `mask` [B, T, S]."""
-  mask: jax.Array
-  slots: jax.Array
-
-
-class Extend(NamedTuple):
-  """Replaces a layer's mask to extend its cache by a chunk of T tokens at once: attend
-  over the S slots as they were and the T new keys, under `mask` [B, T, S + T]; then
-  write new key and value t into slot `slots` [B, T] (S or more: not written, as for
-  padding, or for the older tokens of a chunk longer than the ring)."""
-  mask: jax.Array
-  slots: jax.Array
-
-
 class Attention(nn.Module):
   """Self-attention with optional per-head RMSNorm on queries, keys and values, and RoPE.
 
@@ -329,9 +300,8 @@ class Attention(nn.Module):
     fused_qkv: one [D, 3, N, H] projection "qkv" for queries, keys and values (K = N).
     use_bias: biases on the query, key, value and output projections.
     kernel: "einsum" or "jax", see `dot_product_attention`.
-    kv_sharing: None; "store": also return the keys and values attended over (with a
-      cache, the ring after the write), for later layers to reuse; "reuse": no key or
-      value projections and no cache: attend over `shared_kv`, another layer's.
+    return_kv: also return the keys and values attended over (with a cache, the ring
+      after the write), for later layers to attend over (`given_kv` of their call).
   """
   num_heads: int
   num_kv_heads: int
@@ -350,36 +320,36 @@ class Attention(nn.Module):
   use_bias: bool = False
   norm_eps: float = 1e-6
   kernel: str = "einsum"
-  kv_sharing: Optional[str] = None
+  return_kv: bool = False
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: Optional[jax.Array],
-               mask: Union[None, jax.Array, LocalBlocks, CausalBlocks, CausalMask, Prefill,
-                           Decode, Extend],
-               shared_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
+               mask: Union[None, jax.Array, LocalBlocks, CausalBlocks, CausalMask,
+                           cache_access.Prefill, cache_access.Decode, cache_access.Extend,
+                           cache_access.Paged],
+               given_kv: Optional[Tuple[jax.Array, jax.Array]] = None):
     """x: [B, T, D], positions: [B, T] (may be None without RoPE), mask: [B, T, S=T],
     `LocalBlocks`, `CausalBlocks`, `CausalMask`, a cache access, or None (every token
-    sees every token) -> [B, T, D]; with kv_sharing "store", (that, (keys, values)
-    [B, S, K, H]). shared_kv: the keys and
-    values of a "store" layer under the same mask (kv_sharing "reuse")."""
+    sees every token) -> [B, T, D]; with `return_kv`, (that, (keys, values)
+    [B, S, K, H]). given_kv: another layer's keys and values under the same mask, attended
+    over instead of this layer's own: it then has no key or value projections and no
+    cache."""
     b, t, d = x.shape
     n, kv, h = self.num_heads, self.num_kv_heads, self.head_dim
     if self.use_rope or positions is not None:
       chex.assert_shape(positions, (b, t))
-    own = mask.mask if isinstance(mask, Prefill) else mask
+    own = mask.mask if isinstance(mask, cache_access.Prefill) else mask   # over its own keys
     own = own.mask if isinstance(own, (CausalMask, CausalBlocks)) else own
     if isinstance(own, jax.Array):
       chex.assert_shape(own, (b, t, t))
     dense = lambda shape, axes, name, in_dims=1: Linear(
         shape, axes, in_dims=in_dims, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, name=name)
-    if self.kv_sharing == "reuse":
-      if shared_kv is None:
-        raise ValueError("an attention with kv_sharing='reuse' needs shared_kv")
+    if given_kv is not None:
       q = checkpoint_name(dense((n, h), ("embed", "heads", "head_dim"), "q")(x), "query_proj")
-      return self._attend_and_project(self._queries(q, positions), *shared_kv, mask, d)
+      return self._attend_and_project(self._queries(q, positions), *given_kv, mask, d)
     if self.fused_qkv:
       chex.assert_equal(kv, n)
       qkv = dense((3, n, h), ("embed", "qkv", "heads", "head_dim"), "qkv")(x)  # [B, T, 3, N, H]
@@ -399,16 +369,9 @@ class Attention(nn.Module):
     q = self._queries(q, positions)
     k = nn.with_logical_constraint(k, ("batch", "length", "kv_heads", "head_dim"))
     v = nn.with_logical_constraint(v, ("batch", "length", "kv_heads", "head_dim"))
-    if isinstance(mask, Prefill):
-      for name, new in (("k", k), ("v", v)):
-        self.put_variable("cache", name,
-                          jnp.take_along_axis(new, mask.sources[:, :, None, None], axis=1))
-    elif isinstance(mask, Decode):
-      k, v = (self._write_cache(name, new, mask.slots) for name, new in (("k", k), ("v", v)))
-    elif isinstance(mask, Extend):
-      k, v = (self._extend_cache(name, new, mask.slots) for name, new in (("k", k), ("v", v)))
+    k, v = cache_access.keys_values(self, k, v, mask)
     out = self._attend_and_project(q, k, v, mask, d)
-    return (out, (k, v)) if self.kv_sharing == "store" else out
+    return (out, (k, v)) if self.return_kv else out
 
   def _norm(self, name: str, with_scale: bool = True) -> RMSNorm:
     return RMSNorm(self.norm_eps, with_scale=with_scale, plus_one=self.norm_plus_one,
@@ -430,8 +393,7 @@ class Attention(nn.Module):
   def _attend_and_project(self, q, k, v, mask, d: int) -> jax.Array:
     """Queries [B, T, N, H] over keys and values [B, S, K, H] under `mask` (a cache
     access's own mask), then the output projection -> [B, T, D]."""
-    if isinstance(mask, Prefill):
-      mask = mask.mask
+    mask = cache_access.own_mask(mask)
     if isinstance(mask, LocalBlocks):
       out = local_block_attention(q, k, v, mask, self.logit_softcap, self.kernel)
     elif isinstance(mask, CausalBlocks):
@@ -440,44 +402,7 @@ class Attention(nn.Module):
       out = dot_product_attention(q, k, v, mask.mask, self.logit_softcap, self.kernel,
                                   causal=True, window=mask.window)
     else:
-      out = dot_product_attention(q, k, v,
-                                  mask.mask if isinstance(mask, (Decode, Extend)) else mask,
-                                  self.logit_softcap, self.kernel)
+      out = dot_product_attention(q, k, v, mask, self.logit_softcap, self.kernel)
     out = Linear((d,), ("heads", "head_dim", "embed"), in_dims=2, use_bias=self.use_bias,
                  dtype=self.dtype, param_dtype=self.param_dtype, name="out")(out)
     return checkpoint_name(out, "out_proj")
-
-  def _extend_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """The ring `name` [B, S, K, H] as it was, then new [B, T, K, H] (the keys or values an
-    `Extend` attends over, [B, S + T, K, H] in the compute dtype); writes the new ones
-    into `slots` [B, T] (S: not written)."""
-    before = self._read_cache(name)
-    self._write_cache(name, new, slots)
-    return jnp.concatenate([before, new.astype(self.dtype)], axis=1)
-
-  def _read_cache(self, name: str) -> jax.Array:
-    """The ring `name` [B, S, K, H] in the compute dtype (an int8 ring dequantized)."""
-    ring = self.get_variable("cache", name)
-    if ring.dtype == jnp.int8:
-      ring = kv_cache.dequantize(ring, self.get_variable("cache", kv_cache.scale_name(name)),
-                                 self.dtype)
-    return nn.with_logical_constraint(ring.astype(self.dtype),
-                                      ("batch", "length", "kv_heads", "head_dim"))
-
-  def _write_cache(self, name: str, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Writes new [B, T, K, H] into the cache ring `name` [B, S, K, H] at slots [B, T] (a
-    slot past the ring: not written); returns the ring in the compute dtype. An int8
-    ring takes the rows quantized and their scales into its scale ring
-    (`gemma_jax.layers.kv_cache`)."""
-    ring = self.get_variable("cache", name)
-    chex.assert_shape(slots, new.shape[:2])
-    rows = jnp.arange(new.shape[0])[:, None]
-    if ring.dtype == jnp.int8:
-      # Imported here: the gemma_jax.quant package imports the decoder, hence this module.
-      new, scale = kv_cache.quantize(new)
-      scales = self.get_variable("cache", kv_cache.scale_name(name))
-      self.put_variable("cache", kv_cache.scale_name(name),
-                        scales.at[rows, slots].set(scale, mode="drop"))
-    self.put_variable("cache", name, ring.at[rows, slots].set(new.astype(ring.dtype),
-                                                              mode="drop"))
-    return self._read_cache(name)

@@ -74,15 +74,6 @@ def embed_images(model: config_dict.ConfigDict, x: jax.Array, tokens: jax.Array,
   return x
 
 
-def text_ids(model: config_dict.ConfigDict, tokens: jax.Array) -> jax.Array:
-  """tokens [B, T] with the image placeholders replaced by `vision.pad_token_id`: what
-  Gemma 4 reads its per-layer input table with (transformers' rule)."""
-  if not model.vision.enabled:
-    return tokens
-  v = model.vision
-  return jnp.where(tokens == v.image_token_id, v.pad_token_id, tokens)
-
-
 def check_image_inputs(tokens: Any, images: Any, model: config_dict.ConfigDict) -> None:
   """Raises ValueError naming what is wrong with `images` for tokens [B, T] of `model`
   (the config's model section): images for a model without vision, or what the family's

@@ -28,12 +28,12 @@ class Gemma4Layer(Gemma3Layer):
 
   Attributes:
     kv_sharing: None, "store" (return the keys and values attended over too) or "reuse"
-      (attend over `shared_kv`), see `config.kv_sharing_modes`.
+      (attend over `shared_kv`), see `models.gemma4.plan`.
   """
   kv_sharing: Optional[str] = None
 
   def attention(self, **options):
-    return super().attention(kv_sharing=self.kv_sharing, **options)
+    return super().attention(return_kv=self.kv_sharing == "store", **options)
 
   def mlp_dim(self) -> int:
     c = self.config
@@ -70,6 +70,9 @@ class Gemma4Layer(Gemma3Layer):
     per_layer_input: [B, T, P] (with `per_layer_input_dim`), shared_kv: a "store"
     layer's keys and values (kv_sharing "reuse") -> [B, T, D]; with kv_sharing "store",
     (that, (keys, values))."""
+    if (self.kv_sharing == "reuse") != (shared_kv is not None):
+      raise ValueError(f"a Gemma 4 layer with kv_sharing={self.kv_sharing!r} takes shared_kv "
+                       f"only when it reuses them (kv_sharing 'reuse')")
     x = nn.with_logical_constraint(x, ACTIVATION_AXES)
     attended = self.attention()(self.norm("pre_attn_norm")(x), positions,
                                 masks[self.attention_type], shared_kv)
