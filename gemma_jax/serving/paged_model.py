@@ -1,0 +1,135 @@
+"""The model's programs over paged KV caches: a chunk of prompt into the pools, and one
+decode step of every slot with its token chosen, each compiled once per shape.
+
+Each attention type has a pool of N pages of P tokens per layer ("k", "v" [N x P, K, H],
+`layers.cache_access.Paged`); shared key/value layers (Gemma 4) hold none. Rows give
+their pages by logical block: `tables[type]` [R, M] lists the page of block b (tokens
+bP..bP + P - 1) of each row, M = max_length / P. A global layer attends over all M
+blocks; a local one over the blocks its window and the chunk reach, ceil((window + T -
+1) / P) + 1 of them from the block of the chunk's first query's window, so its cost is
+the window's, not the context's. Positions follow from the blocks, so no page holds
+bookkeeping: a slot at block b, offset o holds position bP + o, seen where written
+(below start + count) and allowed by causality and the window. Pages a row no longer
+needs (local blocks behind the window) may hold anything: they are masked.
+
+Dims: R rows, T tokens a row, S decode slots, V vocab, M blocks a row, W blocks a view.
+"""
+
+from typing import Dict, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from ml_collections import config_dict
+
+from gemma_jax.decoder import layer_types
+from gemma_jax.inference import decoding as decoding_lib
+from gemma_jax.layers.attention import attention_mask
+from gemma_jax.layers.cache_access import Paged
+from gemma_jax.serving import sampling
+
+
+class Shape(NamedTuple):
+  """The engine's compiled shapes: page size P, pages per type, blocks per row M, decode
+  slots S, prompt rows per chunk and chunk length T, the top-k and logprobs the
+  sampling step handles."""
+  page_size: int
+  num_pages: Dict[str, int]
+  max_blocks: int
+  num_slots: int
+  prefill_rows: int
+  prefill_chunk: int
+  top_k_limit: int
+  num_logprobs: int
+
+
+def view_blocks(model: config_dict.ConfigDict, kind: str, shape: Shape, chunk: int) -> int:
+  """W, the blocks a row of `chunk` tokens attends over in a layer of type `kind`."""
+  if kind != "local":
+    return shape.max_blocks
+  reach = -(-(model.sliding_window + chunk - 1) // shape.page_size) + 1
+  return min(reach, shape.max_blocks)
+
+
+def paged_accesses(model: config_dict.ConfigDict, shape: Shape, tables: dict,
+                   starts: jax.Array, counts: jax.Array, chunk: int):
+  """{type: `Paged`} and the query positions [R, T] for rows writing `counts` [R] tokens
+  from positions `starts` [R] (a row's tokens past its count are padding: not written,
+  queried at its start)."""
+  p = shape.page_size
+  index = jnp.arange(chunk, dtype=jnp.int32)
+  real = index < counts[:, None]
+  new = starts[:, None] + index                                               # [R, T]
+  queries = jnp.where(real, new, starts[:, None])
+  accesses = {}
+  for kind, table in tables.items():
+    m, window = table.shape[1], model.sliding_window if kind == "local" else None
+    page = jnp.take_along_axis(table, jnp.clip(new // p, 0, m - 1), axis=1)
+    slots = jnp.where(real, page * p + new % p, shape.num_pages[kind] * p)
+    first = jnp.maximum(starts - window + 1, 0) // p if window else jnp.zeros_like(starts)
+    blocks = first[:, None] + jnp.arange(view_blocks(model, kind, shape, chunk))   # [R, W]
+    pages = jnp.take_along_axis(table, jnp.clip(blocks, 0, m - 1), axis=1)
+    keys = (blocks[:, :, None] * p + jnp.arange(p)).reshape(blocks.shape[0], -1)  # [R, W P]
+    written = (keys < (starts + counts)[:, None]) & (keys < m * p)
+    mask = attention_mask(queries, keys, jnp.ones_like(queries), written.astype(jnp.int32),
+                          window=window)
+    accesses[kind] = Paged(mask, pages, slots)
+  return accesses, queries
+
+
+class PagedModel:
+  """A config's paged programs: `pools(params, cache_dtype)`, `prefill(params, pools,
+  tokens, starts, counts, tables) -> pools`, and `decode(...)` (see each)."""
+
+  def __init__(self, config: config_dict.ConfigDict, shape: Shape):
+    self.decoding = decoding_lib.Decoding(config)
+    self.model = self.decoding.model
+    self.shape = shape
+    self.types = tuple(sorted(set(layer_types(self.model))))
+    self.prefill = jax.jit(self._prefill, donate_argnames="pools")
+    self.decode = jax.jit(self._decode, donate_argnames=("pools", "counts"))
+
+  def pools(self, params, cache_dtype: str) -> dict:
+    """Zeroed pools for every layer that keeps keys and values: the "cache" collection,
+    [N x P, K, H] leaves (int8 ones with [N x P, K] scales)."""
+    contiguous = jax.eval_shape(
+        lambda p: self.decoding.fill(p, jnp.ones((1, 2), jnp.int32),
+                                     cache_length=self.shape.page_size,
+                                     cache_dtype=cache_dtype)[1].layers, params)
+    types = layer_types(self.model)
+    pools = {}
+    for name, layer in contiguous.items():
+      slots = self.shape.num_pages[types[int(name.split("_")[-1])]] * self.shape.page_size
+      pools[name] = jax.tree.map(lambda a, n=slots: jnp.zeros((n,) + a.shape[2:], a.dtype),
+                                 layer)
+    return pools
+
+  def _run(self, params, pools, tokens, starts, counts, tables):
+    accesses, queries = paged_accesses(self.model, self.shape, tables, starts, counts,
+                                       tokens.shape[1])
+    return self.decoding.apply_with_cache(params, pools, tokens, queries,
+                                          jnp.ones_like(tokens), accesses)
+
+  def _prefill(self, params, pools, tokens, starts, counts, tables):
+    """Writes rows of prompt tokens [R, T] (`counts` [R] real, from `starts` [R]) into the
+    pools; no logits are computed."""
+    return self._run(params, pools, tokens, starts, counts, tables)[1]
+
+  def _decode(self, params, pools, tokens, positions, active, tables, options, prompt_seen,
+              counts, seeds, indices):
+    """One token per slot, tokens [S] at `positions` [S] (rows not `active` write
+    nothing), then each active row's next token chosen by its options, drawn with the
+    key of (seeds [S], indices [S]) (`sampling.row_key`): (`sampling.Choice`, pools,
+    counts with the choices)."""
+    keys = jax.vmap(sampling.row_key)(seeds, indices)
+    logits, pools = self._run(params, pools, tokens[:, None], positions,
+                              active.astype(jnp.int32), tables)
+    choice = sampling.choose_rows(logits[:, 0], options, prompt_seen, counts, keys,
+                                  top_k_limit=self.shape.top_k_limit,
+                                  num_logprobs=self.shape.num_logprobs)
+    return choice, pools, sampling.update_counts(counts, choice.tokens, active)
+
+
+def pool_bytes(pools: dict) -> int:
+  """Bytes of the pools' arrays."""
+  return int(sum(np.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(pools)))

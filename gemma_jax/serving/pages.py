@@ -1,0 +1,84 @@
+"""The pages of one attention type's pool: who holds each, which are free, and which
+hold a cached prefix.
+
+A page holds P consecutive tokens of one sequence (a block). It is held by the
+sequences whose page tables list it and, once full, by the prefix cache, which keys it
+by the tokens of its block and of every block before it (`block_key`): two sequences
+with the same first k blocks share their pages. A page no one holds is free; a page
+only the cache holds is evictable, least recently used first, when the free ones run
+out.
+"""
+
+import collections
+from typing import Dict, Hashable, List, Optional, Sequence
+
+
+def block_keys(tokens: Sequence[int], page_size: int) -> List[Hashable]:
+  """The cache key of each full block of `tokens`: block b's tokens with the key of
+  block b - 1, so a key names the whole prefix up to its block's end."""
+  keys, key = [], None
+  for start in range(0, len(tokens) - page_size + 1, page_size):
+    key = hash((key, tuple(int(t) for t in tokens[start:start + page_size])))
+    keys.append(key)
+  return keys
+
+
+class PagePool:
+  """Holders of the pages 0..num_pages - 1 of one pool (host-side bookkeeping)."""
+
+  def __init__(self, num_pages: int):
+    self.num_pages = num_pages
+    self._holders = [0] * num_pages                 # sequences holding each page
+    self._free = list(range(num_pages - 1, -1, -1))  # a stack: the last freed is reused first
+    self._cached: "collections.OrderedDict[Hashable, int]" = collections.OrderedDict()
+    self._key_of: Dict[int, Hashable] = {}
+
+  @property
+  def available(self) -> int:
+    """Pages an allocation may take: free, or held by the cache alone."""
+    return len(self._free) + sum(1 for page in self._cached.values() if not self._holders[page])
+
+  @property
+  def in_use(self) -> int:
+    """Pages held by a sequence or the cache."""
+    return self.num_pages - len(self._free)
+
+  def allocate(self) -> Optional[int]:
+    """A page for a sequence (held once), or None when every page is held."""
+    if not self._free:
+      for key, page in self._cached.items():   # least recently used first
+        if not self._holders[page]:
+          del self._cached[key], self._key_of[page]
+          self._free.append(page)
+          break
+    if not self._free:
+      return None
+    page = self._free.pop()
+    self._holders[page] = 1
+    return page
+
+  def hold(self, page: int) -> None:
+    """One more sequence holds `page` (a cached prefix page it now lists)."""
+    self._holders[page] += 1
+
+  def release(self, page: int) -> None:
+    """A sequence lets go of `page`; free when no one, cache included, holds it."""
+    self._holders[page] -= 1
+    if self._holders[page] < 0:
+      raise RuntimeError(f"page {page} released more often than held")
+    if not self._holders[page] and page not in self._key_of:
+      self._free.append(page)
+
+  def lookup(self, key: Hashable) -> Optional[int]:
+    """The cached page of the block `key` names (marked recently used), or None."""
+    page = self._cached.get(key)
+    if page is not None:
+      self._cached.move_to_end(key)
+    return page
+
+  def cache(self, key: Hashable, page: int) -> None:
+    """Keeps the full page `page` as the block `key` names (if no page holds it yet)."""
+    if key in self._cached or page in self._key_of:
+      return
+    self._cached[key] = page
+    self._key_of[page] = key

@@ -1,0 +1,220 @@
+"""The serving engine against references it does not share code with: the full forward
+pass (greedy continuations and log-probabilities) and contiguous-cache decoding, whatever
+else is in flight: mixed arrivals, chunked prefill, shared prefixes, preemption, int8
+pages, recycled slots, cancellations; one compile per program throughout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemma_jax as gj
+from gemma_jax.inference import decoding
+from gemma_jax.serving.engine import Engine
+from gemma_jax.serving.requests import QueueFull, Request, SamplingOptions
+from gemma_jax.text import tokenizers
+from test_decoding import FAMILIES, random_params, tiny
+
+GREEDY = SamplingOptions(temperature=0.0)
+
+
+def model_of(family):
+  if family == "gemma4_shared":   # per-layer inputs and shared key/value layers
+    config = tiny("gemma4_dense")
+    config.model.update(per_layer_input_dim=4, num_kv_shared_layers=2, double_wide_mlp=True)
+  else:
+    config = tiny(family)
+  return config, random_params(config, seed=1)
+
+
+def reference(config, params, prompt, steps):
+  """The greedy continuation of `prompt` by the full forward pass, and each step's
+  log-probabilities [steps, V] (float64)."""
+  apply = jax.jit(gj.transform(config).apply)
+  seq, logprobs = list(prompt), []
+  for _ in range(steps):
+    logits = np.asarray(apply(params, jnp.asarray([seq]))[0, -1], np.float64)
+    logprobs.append(logits - np.log(np.sum(np.exp(logits - logits.max()))) - logits.max())
+    seq.append(int(np.argmax(logits)))
+  return seq[len(prompt):], np.stack(logprobs)
+
+
+def prompts(seed, lengths, vocab=97):
+  rng = np.random.RandomState(seed)
+  return [tuple(int(t) for t in rng.randint(1, vocab, size=n)) for n in lengths]
+
+
+def tokens_of(outputs):
+  return [o.token for o in outputs]
+
+
+def check_against_reference(config, params, requests, outputs, atol=2e-4):
+  for request, got in zip(requests, outputs):
+    want, logprobs = reference(config, params, request.prompt, len(got))
+    assert tokens_of(got) == want, request.prompt
+    if request.logprobs:
+      for step, o in enumerate(got):
+        top = np.argsort(-logprobs[step])[:request.logprobs]
+        np.testing.assert_allclose([p for _, p in o.top], logprobs[step][top], atol=atol)
+        np.testing.assert_allclose(o.logprob, logprobs[step][o.token], atol=atol)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "gemma4_shared", "gemma4_moe", "gpt3"])
+@pytest.mark.parametrize("prefill_chunk", [3, 32])
+def test_greedy_tokens_and_logprobs_equal_the_full_forward(family, prefill_chunk):
+  """Prompts of mixed lengths (past the window of 4, across pages of 4) decoded
+  together in 3 slots, chunked prefill on (3) and off (32 > every prompt)."""
+  config, params = model_of(family)
+  engine = Engine(config, params, num_slots=3, page_size=4, prefill_chunk=prefill_chunk,
+                  max_length=40)
+  requests = [Request(prompt=p, max_tokens=6, sampling=GREEDY, logprobs=3)
+              for p in prompts(0, (1, 5, 13, 9, 2, 17))]
+  check_against_reference(config, params, requests, engine.generate(requests))
+  assert engine.programs.prefill._cache_size() == 1
+  assert engine.programs.decode._cache_size() == 1
+
+
+@pytest.mark.slow
+def test_requests_arriving_while_others_decode_and_recycled_slots():
+  """20 requests through 2 slots, half arriving mid-way; each compiled program once."""
+  config, params = model_of("gemma3")
+  engine = Engine(config, params, num_slots=2, page_size=4, prefill_chunk=4, max_length=32)
+  requests = [Request(prompt=p, max_tokens=3 + i % 4, sampling=GREEDY)
+              for i, p in enumerate(prompts(1, [1 + (7 * i) % 15 for i in range(20)]))]
+  outputs = [[] for _ in requests]
+  for i in range(10):
+    engine.submit(requests[i], outputs[i].append)
+  for _ in range(5):
+    engine.step()
+  for i in range(10, 20):
+    engine.submit(requests[i], outputs[i].append)
+  while engine.busy:
+    engine.step()
+  check_against_reference(config, params, requests, outputs)
+  assert [o[-1].finish for o in outputs] == ["length"] * 20
+  assert engine.programs.prefill._cache_size() == 1
+  assert engine.programs.decode._cache_size() == 1
+  assert engine.metrics()["running"] == 0
+
+
+@pytest.mark.slow
+def test_shared_prefixes_reuse_pages_and_decode_the_same():
+  """A conversation's later turns and a common system prompt: the later requests find
+  the earlier ones' full pages (local layers' too) and prefill only the rest."""
+  config, params = model_of("gemma3")
+  engine = Engine(config, params, num_slots=2, page_size=4, prefill_chunk=4, max_length=48)
+  system = prompts(2, [18])[0]
+  first = [Request(prompt=system + (5, 6), max_tokens=4, sampling=GREEDY)]
+  outputs = engine.generate(first)
+  later = [Request(prompt=system + tail, max_tokens=4, sampling=GREEDY)
+           for tail in ((7,), (8, 9, 10), (5, 6) + tuple(tokens_of(outputs[0])) + (11,))]
+  outputs += engine.generate(later)
+  check_against_reference(config, params, first + later, outputs)
+  # 16 of the 18 system tokens sit in full pages; the third reuses the first's reply too.
+  assert engine.metrics()["prefix_tokens_reused"] >= 16 + 16 + 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "gemma4_shared"])
+def test_preemption_under_a_small_pool_recomputes_and_loses_nothing(family):
+  config, params = model_of(family)
+  engine = Engine(config, params, num_slots=3, page_size=4, prefill_chunk=4, max_length=32,
+                  num_pages=8)
+  requests = [Request(prompt=p, max_tokens=8, sampling=GREEDY, logprobs=2)
+              for p in prompts(3, (9, 12, 7, 14))]
+  outputs = engine.generate(requests)
+  assert engine.metrics()["preemptions"] > 0
+  check_against_reference(config, params, requests, outputs)
+
+
+@pytest.mark.slow
+def test_int8_pages_decode_as_the_int8_contiguous_cache():
+  config, params = model_of("gemma3")
+  engine = Engine(config, params, num_slots=2, page_size=4, prefill_chunk=4, max_length=32,
+                  cache_dtype="int8")
+  prompt_rows = prompts(4, (6, 11))
+  outputs = engine.generate([Request(prompt=p, max_tokens=6, sampling=GREEDY)
+                             for p in prompt_rows])
+  dec = decoding.make_decoding(config)
+  for prompt, got in zip(prompt_rows, outputs):
+    logits, cache = dec.prefill(params, jnp.asarray([prompt]), cache_length=32,
+                                cache_dtype="int8")
+    want = []
+    for _ in range(6):
+      want.append(int(jnp.argmax(logits[0])))
+      logits, cache = dec.decode_step(params, jnp.asarray(want[-1:]), cache)
+    assert tokens_of(got) == want
+
+
+@pytest.mark.slow
+def test_a_seed_draws_the_same_tokens_whatever_else_runs():
+  config, params = model_of("gemma3")
+  sampled = Request(prompt=prompts(5, (7,))[0], max_tokens=8, seed=123,
+                    sampling=SamplingOptions(temperature=1.5, top_k=20, top_p=0.95))
+  alone = Engine(config, params, num_slots=1, page_size=4, max_length=32).generate([sampled])
+  others = [Request(prompt=p, max_tokens=5, seed=i,
+                    sampling=SamplingOptions(temperature=1.0, min_p=0.05))
+            for i, p in enumerate(prompts(6, (3, 10, 4)))]
+  crowd = Engine(config, params, num_slots=3, page_size=4,
+                 max_length=32).generate(others[:2] + [sampled] + others[2:])
+  assert tokens_of(crowd[2]) == tokens_of(alone[0])
+  assert len(set(tokens_of(alone[0]))) > 1   # a draw, not a constant
+
+
+@pytest.mark.slow
+def test_cancelled_and_stopped_requests_free_their_slots_and_pages():
+  config, params = model_of("gemma3")
+  config.model.vocab_size = 300          # room for the byte tokenizer's ids
+  params = random_params(config, seed=1)
+  tokenizer = tokenizers.get_tokenizer("byte", config.model.vocab_size)
+  engine = Engine(config, params, tokenizer=tokenizer, num_slots=2, page_size=4,
+                  max_length=32, max_queue=2)
+  prompt = (tokenizer.bos_id,) + tuple(int(t) for t in tokenizer.encode(["hello"])[0])
+  greedy = engine.generate([Request(prompt=prompt, max_tokens=8, sampling=GREEDY)])[0]
+  text = "".join(o.text for o in greedy)
+  outputs = [[], [], []]
+  ids = [engine.submit(Request(prompt=prompt, max_tokens=8, sampling=GREEDY),
+                       outputs[i].append) for i in range(2)]
+  with pytest.raises(QueueFull):
+    engine.submit(Request(prompt=prompt, max_tokens=8), outputs[2].append)
+  engine.step()
+  engine.cancel(ids[0])
+  while engine.busy:
+    engine.step()
+  assert outputs[0][-1].finish == "cancelled" and outputs[1][-1].finish == "length"
+  assert tokens_of(outputs[1]) == tokens_of(greedy)
+  # A stop id ends at its token; a stop string cuts the text before it.
+  stop_id = greedy[3].token
+  by_id = engine.generate([Request(prompt=prompt, max_tokens=8, sampling=GREEDY,
+                                   stop_ids=(stop_id,))])[0]
+  assert tokens_of(by_id)[-1] == stop_id and by_id[-1].finish == "stop"
+  assert len(by_id) == tokens_of(greedy).index(stop_id) + 1
+  if len(text) > 3:
+    stop = text[2:4]
+    by_text = engine.generate([Request(prompt=prompt, max_tokens=8, sampling=GREEDY,
+                                       stop_strings=(stop,))])[0]
+    assert "".join(o.text for o in by_text) == text[:text.index(stop)]
+    assert by_text[-1].finish == "stop"
+  metrics = engine.metrics()
+  assert metrics["running"] == 0 and metrics["queued"] == 0
+
+
+def test_bad_requests_are_refused_before_queueing():
+  config, params = model_of("gemma3")
+  engine = Engine(config, params, num_slots=1, page_size=4, max_length=16)
+  for request, field in (
+      (Request(prompt=(), max_tokens=1), "prompt"),
+      (Request(prompt=(1, 200), max_tokens=1), "prompt"),
+      (Request(prompt=(1, 2), max_tokens=0), "max_tokens"),
+      (Request(prompt=(1,) * 10, max_tokens=7), "max_tokens"),
+      (Request(prompt=(1,), max_tokens=1, sampling=SamplingOptions(temperature=-1)),
+       "temperature"),
+      (Request(prompt=(1,), max_tokens=1, sampling=SamplingOptions(top_k=65)), "top_k"),
+      (Request(prompt=(1,), max_tokens=1, stop_strings=("x",)), "stop_strings"),
+      (Request(prompt=(1,), max_tokens=1, logprobs=21), "logprobs")):
+    with pytest.raises(ValueError, match=field):
+      engine.submit(request, lambda output: None)
+  assert not engine.busy
+  with pytest.raises(ValueError, match="num_pages"):
+    Engine(config, params, page_size=4, num_pages=3, max_length=16)
