@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import gemma_jax as gj
+from gemma_jax import sharding
 from gemma_jax.inference import decoding
 from gemma_jax.serving.engine import Engine
 from gemma_jax.serving.requests import QueueFull, Request, SamplingOptions
@@ -218,3 +219,26 @@ def test_bad_requests_are_refused_before_queueing():
   assert not engine.busy
   with pytest.raises(ValueError, match="num_pages"):
     Engine(config, params, page_size=4, num_pages=3, max_length=16)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "gemma4_shared"])
+def test_eight_devices_decode_the_tokens_of_one(family):
+  """Weights and the pools' key/value heads sharded (data 2 x fsdp 2 x tensor 2), greedy
+  and sampled requests: the tokens of the unsharded engine."""
+  config, _ = model_of(family)
+  config.mesh.update(data=2, fsdp=2, tensor=2)
+  config.model.vocab_size = 98          # the tensor axis splits the vocabulary
+  if config.model.global_num_kv_heads:  # and the key/value heads
+    config.model.global_num_kv_heads = 2
+  params = random_params(config, seed=1)
+  requests = [Request(prompt=p, max_tokens=6, sampling=GREEDY)
+              for p in prompts(7, (5, 11, 2))]
+  requests.append(Request(prompt=prompts(8, (6,))[0], max_tokens=6, seed=3,
+                          sampling=SamplingOptions(temperature=1.0, top_k=10)))
+  options = dict(num_slots=4, page_size=4, prefill_chunk=4, max_length=32)
+  one = Engine(config, params, **options).generate(requests)
+  engine = Engine(config, params, mesh=sharding.make_mesh(config.mesh), **options)
+  pools = jax.tree.leaves(engine._pools)
+  assert all(len(a.sharding.device_set) == 8 for a in pools)
+  assert [tokens_of(o) for o in engine.generate(requests)] == [tokens_of(o) for o in one]

@@ -15,6 +15,7 @@ Dims: S slots, V vocab, M blocks a sequence.
 """
 
 import collections
+import contextlib
 import itertools
 import threading
 import time
@@ -22,9 +23,11 @@ from typing import Callable, Dict, List, Optional, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 import numpy as np
 from ml_collections import config_dict
 
+from gemma_jax import sharding
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.layers import kv_cache
 from gemma_jax.serving import paged_model, sampling
@@ -52,13 +55,16 @@ class Engine:
     max_queue: requests waiting at most; more raise `QueueFull`.
     cache_dtype: the pools' dtype (`kv_cache.CACHE_DTYPES`, int8 with scales).
     top_k_limit: the largest top_k a request may ask for.
+    mesh: a device mesh (`sharding.make_mesh(config.mesh)`): weights on their logical
+      axes, the pools' key/value heads over the tensor axis, rows over data; None: one
+      device.
   """
 
   def __init__(self, config: config_dict.ConfigDict, params, *, tokenizer=None,
                num_slots: int = 8, page_size: int = 16, num_pages: Optional[int] = None,
                prefill_chunk: int = 64, prefill_rows: int = 1, max_length: int = 1024,
                max_queue: int = 256, cache_dtype: Optional[str] = None,
-               top_k_limit: int = 64):
+               top_k_limit: int = 64, mesh: Optional[Mesh] = None):
     model = config.model
     self._check(model, num_slots, page_size, num_pages, prefill_chunk, prefill_rows,
                 max_length, max_queue, top_k_limit)
@@ -76,9 +82,15 @@ class Engine:
     self.shape = paged_model.Shape(page_size, sizes, max_blocks, num_slots, prefill_rows,
                                    prefill_chunk, self.top_k_limit, MAX_LOGPROBS)
     self.programs = paged_model.PagedModel(config, self.shape)
-    self.params = self.programs.decoding.unrolled(params)
+    self.mesh = mesh
     dtype = kv_cache.check_dtype(cache_dtype or decoding_lib.default_cache_dtype(config))
-    self._pools = self.programs.pools(self.params, dtype)
+    with self._on_mesh():
+      if mesh is not None:
+        params = jax.device_put(params, sharding.param_shardings(config, mesh))
+      self.params = self.programs.decoding.unrolled(params)
+      self._pools = self.programs.pools(self.params, dtype)
+      if mesh is not None:
+        self._pools = jax.device_put(self._pools, paged_model.pool_shardings(self._pools, mesh))
     self.pages = Pages(sizes, page_size, model.sliding_window if "local" in kinds else None)
     self._seen = jnp.zeros((num_slots, model.vocab_size), bool)
     self._counts = jnp.zeros((num_slots, model.vocab_size), jnp.int32)
@@ -94,6 +106,10 @@ class Engine:
     self.stats = collections.Counter()
     self._started = time.monotonic()
     self._ttft: List[float] = []
+
+  def _on_mesh(self):
+    """The context the programs run in: the mesh's, where there is one."""
+    return sharding.activate(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
   @staticmethod
   def _check(model, num_slots, page_size, num_pages, prefill_chunk, prefill_rows, max_length,
@@ -214,11 +230,12 @@ class Engine:
       self._drop_cancelled()
       self._admit()
       prefilling = [s for s in self._running if s.prefilling][:self.shape.prefill_rows]
-    if prefilling:
-      self._prefill(prefilling)
-    decoding = [s for s in self._running if not s.prefilling]
-    if decoding:
-      self._decode(decoding)
+    with self._on_mesh():
+      if prefilling:
+        self._prefill(prefilling)
+      decoding = [s for s in self._running if not s.prefilling]
+      if decoding:
+        self._decode(decoding)
 
   def _drop_cancelled(self) -> None:
     for seq in [s for s in itertools.chain(self._queue, self._running)
@@ -243,8 +260,9 @@ class Engine:
       prompt[:len(seq.request.prompt)] = seq.request.prompt
       done = np.full((self.max_length,), self.vocab_size, np.int32)
       done[:seq.generated] = seq.tokens[len(seq.request.prompt):]
-      self._seen, self._counts = self._reset_row(self._seen, self._counts, seq.slot, prompt,
-                                                 done)
+      with self._on_mesh():
+        self._seen, self._counts = self._reset_row(self._seen, self._counts, seq.slot, prompt,
+                                                   done)
 
   def _room(self, seq: Sequence, end: int) -> bool:
     """Pages for seq's positions up to `end`, preempting the requests admitted after it

@@ -19,9 +19,11 @@ from typing import Dict, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 import numpy as np
 from ml_collections import config_dict
 
+from gemma_jax import sharding
 from gemma_jax.decoder import layer_types
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.layers.attention import attention_mask
@@ -128,6 +130,16 @@ class PagedModel:
                                   top_k_limit=self.shape.top_k_limit,
                                   num_logprobs=self.shape.num_logprobs)
     return choice, pools, sampling.update_counts(counts, choice.tokens, active)
+
+
+def pool_shardings(pools: dict, mesh) -> dict:
+  """The pools' shardings on `mesh`: key/value heads over the axes "kv_heads" maps to
+  (whole where they do not divide), every page on every device."""
+  def of(a):
+    spec = sharding.to_mesh_axes(PartitionSpec(None, "kv_heads", "head_dim")[:a.ndim])
+    ways = sharding.shard_ways(PartitionSpec(spec[1]), dict(mesh.shape))
+    return NamedSharding(mesh, spec if a.shape[1] % ways == 0 else PartitionSpec())
+  return jax.tree.map(of, pools)
 
 
 def pool_bytes(pools: dict) -> int:
