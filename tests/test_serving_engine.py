@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 import gemma_jax as gj
 from gemma_jax import sharding
@@ -14,7 +15,10 @@ from gemma_jax.inference import decoding
 from gemma_jax.serving.engine import Engine
 from gemma_jax.serving.requests import QueueFull, Request, SamplingOptions
 from gemma_jax.text import tokenizers
-from test_decoding import FAMILIES, random_params, tiny
+import test_gemma4
+import test_hf
+from test_decoding import random_params, tiny
+from test_gemma4_small import SHAPES as GEMMA4_SHAPES
 
 GREEDY = SamplingOptions(temperature=0.0)
 
@@ -242,3 +246,35 @@ def test_eight_devices_decode_the_tokens_of_one(family):
   pools = jax.tree.leaves(engine._pools)
   assert all(len(a.sharding.device_set) == 8 for a in pools)
   assert [tokens_of(o) for o in engine.generate(requests)] == [tokens_of(o) for o in one]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", "gemma4_shared_kv"])
+def test_greedy_equals_transformers_generate(family, tmp_path):
+  """Published-layout checkpoints (Gemma 3; Gemma 4 with per-layer inputs, shared
+  key/value layers of both types, double-wide MLPs, window 4) loaded by hf.load: rows
+  of 9, 3 and 6 prompt tokens, the third arriving while the others decode, and 14 new
+  tokens each, past the window; chunked prefill of 4 on pages of 4."""
+  if family == "gemma3":
+    source = test_hf
+    model = source.random_model(3, num_hidden_layers=4, sliding_window=4)
+  else:
+    source = test_gemma4
+    model = source.random_model(5, **GEMMA4_SHAPES["ple_shared_double_wide_k_eq_v_12_layers"])
+  model.save_pretrained(str(tmp_path))
+  config, params = gj.hf.load(str(tmp_path))
+  rows = prompts(9, (9, 3, 6), vocab=source.VOCAB)
+  engine = Engine(config, params, num_slots=3, page_size=4, prefill_chunk=4, max_length=32)
+  outputs = [[] for _ in rows]
+  for b in (0, 1):
+    engine.submit(Request(prompt=rows[b], max_tokens=14, sampling=GREEDY), outputs[b].append)
+  for _ in range(4):
+    engine.step()
+  engine.submit(Request(prompt=rows[2], max_tokens=14, sampling=GREEDY), outputs[2].append)
+  while engine.busy:
+    engine.step()
+  for row, got in zip(rows, outputs):
+    with torch.no_grad():
+      theirs = model.generate(torch.as_tensor([row]), do_sample=False, max_new_tokens=14,
+                              eos_token_id=None, pad_token_id=0)
+    assert tokens_of(got) == theirs[0, len(row):].tolist()
