@@ -21,7 +21,6 @@ from gemma_jax import apps
 from gemma_jax.inference import chat_session
 from gemma_jax.inference import sampler
 from gemma_jax.inference import sampling
-from gemma_jax.layers import kv_cache
 
 _MODEL = apps.define_model_flags()
 _SYSTEM = flags.DEFINE_string("system", None, "A system prompt for every conversation.")
@@ -35,10 +34,7 @@ _TOP_P = flags.DEFINE_float("top_p", 0.95, "Then among the likeliest of this pro
                             "mass; 1: all.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed of the first reply (the n-th reply "
                              "uses seed + n).")
-_CACHE_DTYPE = flags.DEFINE_enum("cache_dtype", None, kv_cache.CACHE_DTYPES,
-                                 "Dtype of the cached keys and values (int8: with per-token, "
-                                 "per-head scales); default: bfloat16 on accelerators, else "
-                                 "the compute dtype.")
+_CACHE_DTYPE = apps.define_cache_dtype_flag()
 
 
 def _lines(interactive: bool):

@@ -37,6 +37,7 @@ from ml_collections.config_flags import config_flags
 from gemma_jax import compilation_cache
 from gemma_jax import config as config_lib
 from gemma_jax import quant
+from gemma_jax.layers import kv_cache
 from gemma_jax.training import init_from
 
 FLAGS = flags.FLAGS
@@ -191,6 +192,14 @@ def define_model_flags() -> ModelFlags:
                         "projections' weights as integers (int4 in groups of the config's "
                         "model.quant_group_size); int8 / fp8 round weights and activations. "
                         "Default: as trained."))
+
+
+def define_cache_dtype_flag() -> flags.FlagHolder:
+  """--cache_dtype: the dtype an app's KV cache keeps keys and values in."""
+  return flags.DEFINE_enum("cache_dtype", None, kv_cache.CACHE_DTYPES,
+                           "Dtype of the cached keys and values (int8: with per-token, "
+                           "per-head scales); default: bfloat16 on accelerators, else the "
+                           "compute dtype.")
 
 
 def _with_compilation_cache(main):

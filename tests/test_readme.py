@@ -10,7 +10,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The guides with Python blocks, in the order their blocks build on each other.
 GUIDES = ("README.md", "docs/models.md", "docs/checkpoints.md", "docs/vision.md",
-          "docs/fine-tuning.md", "docs/sampling.md", "docs/quantization.md")
+          "docs/fine-tuning.md", "docs/sampling.md", "docs/quantization.md",
+          "docs/serving.md")
 # Records of how the code came to be, whose snippets are of their day, not guides.
 RECORDS = ("docs/decisions.md", "docs/performance.md")
 

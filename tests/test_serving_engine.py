@@ -278,3 +278,19 @@ def test_greedy_equals_transformers_generate(family, tmp_path):
       theirs = model.generate(torch.as_tensor([row]), do_sample=False, max_new_tokens=14,
                               eos_token_id=None, pad_token_id=0)
     assert tokens_of(got) == theirs[0, len(row):].tolist()
+
+
+@pytest.mark.slow
+def test_two_prefill_rows_under_preemption_leak_no_page():
+  """Two prompts prefill per step; one's room can preempt the other, which must then
+  take no pages until it is admitted again. Afterwards only the prefix cache holds
+  pages (every page can be allocated)."""
+  config, params = model_of("gemma3")
+  engine = Engine(config, params, num_slots=3, page_size=4, prefill_chunk=4, prefill_rows=2,
+                  max_length=32, num_pages=9)
+  requests = [Request(prompt=p, max_tokens=6, sampling=GREEDY)
+              for p in prompts(10, (24, 24, 20, 24, 7, 15))]
+  outputs = engine.generate(requests)
+  assert engine.metrics()["preemptions"] > 0
+  check_against_reference(config, params, requests, outputs)
+  assert all(pool.available == pool.num_pages for pool in engine.pages.pools.values())

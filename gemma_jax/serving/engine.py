@@ -105,7 +105,7 @@ class Engine:
     self._admitting, self._stopping = True, False
     self.stats = collections.Counter()
     self._started = time.monotonic()
-    self._ttft: List[float] = []
+    self._ttft_sum = 0.0   # seconds from submission to first token, summed over requests
 
   def _on_mesh(self):
     """The context the programs run in: the mesh's, where there is one."""
@@ -181,7 +181,7 @@ class Engine:
       return {"queued": len(self._queue), "running": len(self._running),
               "pages_in_use": in_use, "pages_total": total,
               "tokens_per_second": self.stats["generated_tokens"] / elapsed,
-              "time_to_first_token_seconds": float(np.mean(self._ttft)) if self._ttft else 0.0,
+              "time_to_first_token_seconds": self._ttft_sum / max(self.stats["first_tokens"], 1),
               "requests_finished": self.stats["requests_finished"],
               "prompt_tokens": self.stats["prompt_tokens"],
               "generated_tokens": self.stats["generated_tokens"],
@@ -290,10 +290,11 @@ class Engine:
   def _prefill(self, prefilling: List[Sequence]) -> None:
     c, rows = self.shape.prefill_chunk, self.shape.prefill_rows
     chunks = []
-    for seq in prefilling:
+    for seq in prefilling:   # a row may lose its slot to the room an earlier one needs
       end = min(seq.filled + c, len(seq.tokens) - 1)
-      chunks.append((seq, end) if self._room(seq, end) else None)
-    chunks = [x for x in chunks if x and x[0].slot is not None]
+      if seq.slot is not None and self._room(seq, end):
+        chunks.append((seq, end))
+    chunks = [(seq, end) for seq, end in chunks if seq.slot is not None]
     if not chunks:
       return
     tokens = np.zeros((rows, c), np.int32)
@@ -339,7 +340,8 @@ class Engine:
     self.stats["generated_tokens"] += 1
     if seq.first_token is None:
       seq.first_token = time.monotonic()
-      self._ttft.append(seq.first_token - seq.submitted)
+      self._ttft_sum += seq.first_token - seq.submitted
+      self.stats["first_tokens"] += 1
     logprob, top = None, ()
     if seq.request.logprobs is not None:
       logprob = float(choice.logprobs[slot])

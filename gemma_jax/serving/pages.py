@@ -10,15 +10,21 @@ out.
 """
 
 import collections
+import hashlib
 from typing import Dict, Hashable, List, Optional, Sequence
 
+import numpy as np
 
-def block_keys(tokens: Sequence[int], page_size: int) -> List[Hashable]:
-  """The cache key of each full block of `tokens`: block b's tokens with the key of
-  block b - 1, so a key names the whole prefix up to its block's end."""
-  keys, key = [], None
+
+def block_keys(tokens: Sequence[int], page_size: int) -> List[bytes]:
+  """The cache key of each full block of `tokens`: the SHA-256 of block b's tokens and
+  the key of block b - 1, so a key names the whole prefix up to its block's end. A
+  cryptographic digest, so that no prompt can be made to collide with another user's
+  prefix and read its cached keys and values."""
+  keys, key = [], b""
   for start in range(0, len(tokens) - page_size + 1, page_size):
-    key = hash((key, tuple(int(t) for t in tokens[start:start + page_size])))
+    block = np.asarray(tokens[start:start + page_size], np.int64).tobytes()
+    key = hashlib.sha256(key + block).digest()
     keys.append(key)
   return keys
 
