@@ -28,6 +28,7 @@ from gemma_jax import apps
 from gemma_jax import config as config_lib
 from gemma_jax import sharding
 from gemma_jax.serving import engine as engine_lib
+from gemma_jax.serving import openai_api
 from gemma_jax.serving import server
 
 _MODEL = apps.define_model_flags()
@@ -112,7 +113,8 @@ def main(argv):
     sys.exit(f"serve.py: error: {error}")
   path = _MODEL.hf_dir.value or _MODEL.workdir.value
   name = _MODEL_NAME.value or os.path.basename(os.path.normpath(path))
-  app = server.make_app(engine, tokenizer, model_name=name)
+  app = server.make_app(engine, tokenizer, model_name=name, images_to_request=(
+      openai_api.attach_images if config.model.vision.enabled else None))
   http = _Server(uvicorn.Config(app, host=_HOST.value, port=_PORT.value, log_level="warning",
                                 timeout_graceful_shutdown=int(_GRACE_SECONDS.value) + 1),
                  engine, _GRACE_SECONDS.value, name)

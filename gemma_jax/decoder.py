@@ -224,6 +224,7 @@ class Decoder(nn.Module):
                segment_ids: Optional[jax.Array], span_ids: Optional[jax.Array] = None,
                masks: Optional[dict] = None,
                images: Optional[jax.Array] = None,
+               soft_tokens: Optional[jax.Array] = None,
                return_hidden: bool = False) -> jax.Array:
     """tokens, positions, segment_ids, span_ids: [B, T] -> [B, T, V]; segment_ids None:
     one document per row.
@@ -238,6 +239,9 @@ class Decoder(nn.Module):
       replacing the masks built from
       segment_ids and span_ids (decoding; the layers' caches are then the "cache"
       collection, see `gemma_jax.inference.decoding`).
+    soft_tokens: (`vision.enabled`, instead of images) [B, T, D] the embeddings of the
+      image placeholders, from `towers.soft_embeddings` (a prompt computed in chunks
+      takes its chunk's); other positions are ignored.
     return_hidden: (tied embedding) instead of the logits, the final norm's output
       [B, T, D] and the table [V, D] in the compute dtype, for `layers.chunked_loss`.
     """
@@ -248,6 +252,9 @@ class Decoder(nn.Module):
     x = embed.encode(tokens)
     if c.vision.enabled:
       x = towers.embed_images(c, x, tokens, images, self.is_initializing())
+      if soft_tokens is not None:
+        x = jnp.where((tokens == c.vision.image_token_id)[..., None],
+                      soft_tokens.astype(x.dtype), x)
     if c.sinusoidal_position_embedding:
       x = x + sinusoidal(positions, c.d_model).astype(dtype)
     if c.trainable_position_size:

@@ -3,6 +3,8 @@ pass (greedy continuations and log-probabilities) and contiguous-cache decoding,
 else is in flight: mixed arrivals, chunked prefill, shared prefixes, preemption, int8
 pages, recycled slots, cancellations; one compile per program throughout."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import torch
 import gemma_jax as gj
 from gemma_jax import sharding
 from gemma_jax.inference import decoding
+from gemma_jax.models import towers
 from gemma_jax.serving.engine import Engine
 from gemma_jax.serving.requests import QueueFull, Request, SamplingOptions
 from gemma_jax.text import tokenizers
@@ -294,3 +297,54 @@ def test_two_prefill_rows_under_preemption_leak_no_page():
   assert engine.metrics()["preemptions"] > 0
   check_against_reference(config, params, requests, outputs)
   assert all(pool.available == pool.num_pages for pool in engine.pages.pools.values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,prefill_chunk", [
+    ("gemma3-tiny-vision", 5), ("gemma3-tiny-vision", 48), ("gemma4-tiny-vision", 17)])
+def test_prompts_with_images_decode_as_the_full_forward(preset, prefill_chunk):
+  """Images in two of three requests (one with two images, markers given; one placed
+  after BOS), prefilled whole or in chunks that never cut a bidirectional span (Gemma
+  3's spans of 4 in chunks of 5); the same images again reuse cached pages, other
+  images do not."""
+  config = gj.get_config(preset)
+  config.model.update(num_layers=3, sliding_window=8)
+  params = random_params(config, seed=2)
+  v = config.model.vision
+  rng = np.random.RandomState(0)
+  picture = lambda: rng.randint(0, 256, (40, 56, 3)).astype(np.uint8)
+  first, second, third = picture(), picture(), picture()
+  marker = v.boi_token_id if config.model.block_type == "gemma3" else v.image_token_id
+  requests = [Request(prompt=(2, 17, marker, 23, 29, marker, 31), max_tokens=5,
+                      sampling=GREEDY, images=(first, second), logprobs=3),
+              Request(prompt=prompts(11, (9,))[0], max_tokens=5, sampling=GREEDY, logprobs=3),
+              Request(prompt=(2, 41, 43), max_tokens=5, sampling=GREEDY, images=(third,),
+                      logprobs=3)]
+  engine = Engine(config, params, num_slots=2, page_size=4, prefill_chunk=prefill_chunk,
+                  max_length=96)
+  outputs = engine.generate(requests)
+  apply = jax.jit(gj.transform(config).apply)
+  for request, got in zip(requests, outputs):
+    if request.images:
+      rows, pixels = towers.prompts_with_images([np.asarray(request.prompt)],
+                                                [list(request.images)], config.model)
+      seq = rows[0].tolist()
+    else:
+      seq, pixels = list(request.prompt), None
+    want = []
+    for step in range(5):
+      logits = np.asarray(apply(params, jnp.asarray([seq + want]), images=pixels)[0, -1],
+                          np.float64)
+      want.append(int(np.argmax(logits)))
+      logprobs = logits - logits.max() - np.log(np.sum(np.exp(logits - logits.max())))
+      top = np.argsort(-logprobs)[:3]   # the alternatives: the chosen one's is often 0.0
+      np.testing.assert_allclose([p for _, p in got[step].top], logprobs[top], atol=1e-3)
+    assert tokens_of(got) == want, request.prompt
+  reused = engine.metrics()["prefix_tokens_reused"]
+  again = engine.generate([requests[2]])
+  assert tokens_of(again[0]) == tokens_of(outputs[2])
+  assert engine.metrics()["prefix_tokens_reused"] > reused
+  other = dataclasses.replace(requests[2], images=(first,))
+  before = engine.metrics()["prefix_tokens_reused"]
+  engine.generate([other])
+  assert engine.metrics()["prefix_tokens_reused"] == before

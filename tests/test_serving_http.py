@@ -9,6 +9,8 @@ clients that leave, the engine is idle (no request running or queued, no page he
 a request) and still answers."""
 
 import asyncio
+import base64
+import io
 import random
 import time
 
@@ -18,10 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 import gemma_jax as gj
+from gemma_jax.models import towers
 from gemma_jax.serving import engine as engine_lib
-from gemma_jax.serving import server
+from gemma_jax.serving import openai_api, server
 from gemma_jax.text import chat
 from test_decoding import random_params, tiny
 from test_serving_server import TOKENIZER, async_client, prompt_ids, serving, wait_for
@@ -294,3 +298,50 @@ def test_clients_that_leave_cancel_their_requests(engine, url, client, greedy):
   assert after["requests_finished"] - before["requests_finished"] == 5
   assert after["generated_tokens"] - before["generated_tokens"] < 4 * max_tokens / 2
   assert_answers(client, greedy)
+
+
+@pytest.mark.slow
+def test_a_chat_with_an_image_url_is_the_full_forward_with_that_image():
+  """A vision model (tiny Gemma 3 with images) served with `openai_api.attach_images`:
+  an image_url data URL in a user message; the reply is the full forward pass's greedy
+  one over the prompt with the image's span after BOS. A URL that is no data URL is a
+  400 naming the part."""
+  config = gj.get_config("gemma3-tiny-vision")
+  config.model.update(num_layers=2, sliding_window=8)
+  params = random_params(config, seed=4)
+  pixels = np.random.RandomState(1).randint(0, 256, (30, 40, 3)).astype(np.uint8)
+  png = io.BytesIO()
+  Image.fromarray(pixels).save(png, format="PNG")
+  url_of_image = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+  question = [{"type": "text", "text": "What is this?"},
+              {"type": "image_url", "image_url": {"url": url_of_image}}]
+  ids = chat.render([{"role": "user", "content": "What is this?"}], TOKENIZER,
+                    add_generation_prompt=True).ids
+  rows, images = towers.prompts_with_images([np.asarray(ids)], [[pixels]], config.model,
+                                            TOKENIZER.encode)
+  apply = jax.jit(gj.transform(config).apply)
+  want = []
+  for _ in range(8):
+    token = int(jnp.argmax(apply(params, jnp.asarray([rows[0].tolist() + want]),
+                                 images=images)[0, -1]))
+    if token in TOKENIZER.stop_ids:
+      break
+    want.append(token)
+  assert len(want) >= 4, want   # a reply to compare, not a stop at once
+  engine = engine_lib.Engine(config, params, tokenizer=TOKENIZER, num_slots=2, page_size=4,
+                             prefill_chunk=16, max_length=96)
+  engine.start()
+  try:
+    with serving(server.make_app(engine, TOKENIZER, model_name=MODEL,
+                                 images_to_request=openai_api.attach_images)) as url:
+      with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as vision:
+        reply = vision.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=8,
+            temperature=0)
+        assert reply.choices[0].message.content == TOKENIZER.decode(want)
+        bad = [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+        with pytest.raises(openai.BadRequestError, match="must be a data URL"):
+          vision.chat.completions.create(model=MODEL, max_tokens=4,
+                                         messages=[{"role": "user", "content": bad}])
+  finally:
+    engine.shutdown(grace_seconds=5)

@@ -159,13 +159,15 @@ class Decoding:
     return moe.split_experts(params) if self._split_experts else params
 
   def apply_with_cache(self, params, layers, tokens, positions, segment_ids, masks,
-                       images=None):
+                       images=None, soft_tokens=None):
     """The decoder with cache accesses `masks` (`layers.cache_access`) over the "cache"
-    collection `layers` (None: none yet): (logits, the collection after). Traceable."""
+    collection `layers` (None: none yet): (logits, the collection after). Traceable;
+    `images` or `soft_tokens` as `Decoder` takes them."""
     params = self._unrolled(params)
     variables = {"params": params} if layers is None else {"params": params, "cache": layers}
     logits, state = self._module.apply(variables, tokens, positions, segment_ids,
-                                       masks=masks, images=images, mutable=["cache"])
+                                       masks=masks, images=images, soft_tokens=soft_tokens,
+                                       mutable=["cache"])
     return logits, state["cache"]
 
   def _decode(self, params, tokens: jax.Array, cache: Cache):

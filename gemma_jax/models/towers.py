@@ -57,6 +57,13 @@ _TOWERS = {
 }
 
 
+def _module(model: config_dict.ConfigDict, **name) -> nn.Module:
+  """The tower of `model` (its config section)."""
+  return _TOWERS[model.block_type].module(
+      model.vision, jnp.dtype(model.dtype), jnp.dtype(model.param_dtype), model.scan_layers,
+      model.remat_policy, model.attention_kernel, out_width=model.d_model, **name)
+
+
 def embed_images(model: config_dict.ConfigDict, x: jax.Array, tokens: jax.Array, images: Any,
                  initializing: bool) -> jax.Array:
   """Inside the decoder's compact call: the tower "vision" of `model` (its config
@@ -64,14 +71,24 @@ def embed_images(model: config_dict.ConfigDict, x: jax.Array, tokens: jax.Array,
   [B, T, D]. Without images, x is returned; at init the tower still makes its
   parameters."""
   tower = _TOWERS[model.block_type]
-  module = tower.module(model.vision, jnp.dtype(model.dtype), jnp.dtype(model.param_dtype),
-                        model.scan_layers, model.remat_policy, model.attention_kernel,
-                        out_width=model.d_model, name="vision")
+  module = _module(model, name="vision")
   if images is not None:
     return tower.merge(x, tokens, module(*tower.inputs(images)), model.vision)
   if initializing:
     module(*tower.blank(model.vision, jnp.dtype(model.dtype)))
   return x
+
+
+def soft_embeddings(model: config_dict.ConfigDict, vision_params: dict, tokens: jax.Array,
+                    images: Any) -> jax.Array:
+  """What the decoder's embedding takes from `images` at the placeholders of tokens
+  [B, T]: [B, T, D] soft tokens there, zeros elsewhere (`Decoder`'s `soft_tokens`, for
+  a prompt computed in chunks). `vision_params`: the parameters' "vision" entry, in
+  the layout `model.scan_layers` says."""
+  tower = _TOWERS[model.block_type]
+  out = _module(model).apply({"params": vision_params}, *tower.inputs(images))
+  zeros = jnp.zeros(tokens.shape + (model.d_model,), jnp.dtype(model.dtype))
+  return tower.merge(zeros, tokens, out, model.vision)
 
 
 def check_image_inputs(tokens: Any, images: Any, model: config_dict.ConfigDict) -> None:

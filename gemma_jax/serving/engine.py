@@ -30,6 +30,7 @@ from ml_collections import config_dict
 from gemma_jax import sharding
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.layers import kv_cache
+from gemma_jax.serving import images as images_lib
 from gemma_jax.serving import paged_model, sampling
 from gemma_jax.serving.requests import MAX_LOGPROBS, Output, QueueFull, Request, SamplingOptions
 from gemma_jax.serving.sequences import Pages, Sequence
@@ -65,7 +66,7 @@ class Engine:
                prefill_chunk: int = 64, prefill_rows: int = 1, max_length: int = 1024,
                max_queue: int = 256, cache_dtype: Optional[str] = None,
                top_k_limit: int = 64, mesh: Optional[Mesh] = None):
-    model = config.model
+    model = self._model = config.model
     self._check(model, num_slots, page_size, num_pages, prefill_chunk, prefill_rows,
                 max_length, max_queue, top_k_limit)
     self.tokenizer, self.max_length, self.vocab_size = tokenizer, max_length, model.vocab_size
@@ -139,12 +140,23 @@ class Engine:
     if request.stop_strings and self.tokenizer is None:
       raise ValueError("stop_strings need the engine's tokenizer")
     seed = request.seed if request.seed is not None else int(np.random.randint(2 ** 31))
+    tokens, model_images, salt = list(request.prompt), None, b""
+    if request.images:
+      tokens, model_images, salt = images_lib.prepare(tokens, request.images, self._model,
+                                                      self.tokenizer, self.shape.prefill_chunk)
+      if len(tokens) + request.max_tokens > self.max_length:
+        raise ValueError(f"max_tokens {request.max_tokens} after a prompt of {len(tokens)} "
+                         f"tokens with its images' spans exceeds the context of "
+                         f"{self.max_length}")
+    else:
+      images_lib.check_text(tokens, self._model)
     with self._lock:
       if not self._admitting or len(self._queue) >= self.max_queue:
         raise QueueFull(f"{len(self._queue)} requests wait (max_queue={self.max_queue})"
                         if self._admitting else "the engine is shutting down")
-      seq = Sequence(next(self._ids), request, on_output, seed, list(request.prompt),
-                     StopText(self.tokenizer, request.stop_strings) if self.tokenizer else None)
+      seq = Sequence(next(self._ids), request, on_output, seed, tokens,
+                     StopText(self.tokenizer, request.stop_strings) if self.tokenizer else None,
+                     images=model_images, salt=salt)
       self._queue.append(seq)
       self.stats["prompt_tokens"] += len(request.prompt)
       self._lock.notify_all()
@@ -256,13 +268,35 @@ class Engine:
       seq.slot, seq.admitted = self._slots.index(None), time.monotonic()
       self._slots[seq.slot] = seq
       self._running.append(seq)
+      if seq.images is not None and seq.soft is None:
+        self._soft_tokens(seq)
+      given = len(seq.tokens) - seq.generated        # the prompt, image spans included
       prompt = np.full((self.max_length,), self.vocab_size, np.int32)   # past V: padding
-      prompt[:len(seq.request.prompt)] = seq.request.prompt
+      prompt[:given] = seq.tokens[:given]
       done = np.full((self.max_length,), self.vocab_size, np.int32)
-      done[:seq.generated] = seq.tokens[len(seq.request.prompt):]
+      done[:seq.generated] = seq.tokens[given:]
       with self._on_mesh():
         self._seen, self._counts = self._reset_row(self._seen, self._counts, seq.slot, prompt,
                                                    done)
+
+  def _soft_tokens(self, seq: Sequence) -> None:
+    """seq's placeholder embeddings, computed once from its images."""
+    tokens = np.zeros((1, self.max_length), np.int32)
+    tokens[0, :len(seq.tokens)] = seq.tokens[:self.max_length]
+    with self._on_mesh():
+      soft = self.programs.soft(self.params, tokens, seq.images)
+    seq.soft = jnp.pad(soft, ((0, self.shape.prefill_chunk), (0, 0)))
+
+  def _chunk_soft_tokens(self, chunks) -> Optional[jax.Array]:
+    """[rows, chunk, D] placeholder embeddings of the chunks (zeros for text), or None
+    for a model without vision."""
+    if not self._model.vision.enabled:
+      return None
+    c, d = self.shape.prefill_chunk, self._model.d_model
+    rows = [jax.lax.dynamic_slice_in_dim(seq.soft, seq.filled, c) if seq.soft is not None
+            else jnp.zeros((c, d), jnp.dtype(self._model.dtype)) for seq, _ in chunks]
+    rows += [jnp.zeros((c, d), jnp.dtype(self._model.dtype))] * (self.shape.prefill_rows - len(rows))
+    return jnp.stack(rows)
 
   def _room(self, seq: Sequence, end: int) -> bool:
     """Pages for seq's positions up to `end`, preempting the requests admitted after it
@@ -291,7 +325,8 @@ class Engine:
     c, rows = self.shape.prefill_chunk, self.shape.prefill_rows
     chunks = []
     for seq in prefilling:   # a row may lose its slot to the room an earlier one needs
-      end = min(seq.filled + c, len(seq.tokens) - 1)
+      end = images_lib.chunk_end(seq.tokens, seq.filled,
+                                 min(seq.filled + c, len(seq.tokens) - 1), self._model)
       if seq.slot is not None and self._room(seq, end):
         chunks.append((seq, end))
     chunks = [(seq, end) for seq, end in chunks if seq.slot is not None]
@@ -304,7 +339,8 @@ class Engine:
       starts[r], counts[r] = seq.filled, end - seq.filled
     table_rows = [seq for seq, _ in chunks] + [None] * (rows - len(chunks))
     self._pools = self.programs.prefill(self.params, self._pools, tokens, starts, counts,
-                                        self._tables(table_rows))
+                                        self._tables(table_rows),
+                                        self._chunk_soft_tokens(chunks))
     for seq, end in chunks:
       seq.filled = end
       self.pages.cache_full_blocks(seq)

@@ -5,11 +5,15 @@ Nothing here touches the engine or the event loop: a body's fields are checked i
 the first bad one answered as a 400 (`ApiError`) whose `param` names it.
 """
 
+import base64
 import dataclasses
+import io
 import json
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 from fastapi import responses
+from PIL import Image
 
 from gemma_jax.serving import requests as requests_lib
 
@@ -184,6 +188,39 @@ def chat_messages(body: dict, takes_images: bool, model_name: str
       raise bad(f"{where}.content", "must be a string or a list of content parts")
     rendered.append({"role": ROLES[role], "content": content})
   return rendered, images
+
+
+def attach_images(messages: List[dict], request: requests_lib.Request
+                  ) -> requests_lib.Request:
+  """`request` with the images of the messages' image_url parts, in order. Only data
+  URLs (data:image/...;base64,...) are read: the server fetches nothing. The prompt
+  holds no markers, so the images go after its BOS, before the conversation.
+
+  Raises:
+    ValueError naming the part whose URL is not an image's data URL.
+  """
+  images = []
+  for i, message in enumerate(messages):
+    content = message.get("content")
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+      if part.get("type") == "image_url":
+        where = f"[{i}].content[{j}].image_url.url"
+        url = (part.get("image_url") or {}).get("url") if isinstance(
+            part.get("image_url"), dict) else None
+        images.append(_data_url_image(url, where))
+  return dataclasses.replace(request, images=tuple(images))
+
+
+def _data_url_image(url, where: str) -> np.ndarray:
+  """The RGB pixels [H, W, 3] uint8 of an image's base64 data URL."""
+  if not isinstance(url, str) or not url.startswith("data:image/") or ";base64," not in url:
+    raise ValueError(f"{where} must be a data URL: data:image/<type>;base64,<data>")
+  try:
+    data = base64.b64decode(url.split(";base64,", 1)[1], validate=True)
+    with Image.open(io.BytesIO(data)) as image:
+      return np.asarray(image.convert("RGB"))
+  except (ValueError, OSError) as error:
+    raise ValueError(f"{where} holds no image that can be read ({error})") from None
 
 
 def chat_logprobs_option(body: dict) -> Optional[int]:

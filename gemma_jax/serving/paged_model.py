@@ -15,7 +15,7 @@ needs (local blocks behind the window) may hold anything: they are masked.
 Dims: R rows, T tokens a row, S decode slots, V vocab, M blocks a row, W blocks a view.
 """
 
-from typing import Dict, NamedTuple
+from typing import Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,8 @@ from gemma_jax.decoder import layer_types
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.layers.attention import attention_mask
 from gemma_jax.layers.cache_access import Paged
+from gemma_jax.models import towers
+from gemma_jax.models.gemma3 import vision
 from gemma_jax.serving import sampling
 
 
@@ -54,10 +56,12 @@ def view_blocks(model: config_dict.ConfigDict, kind: str, shape: Shape, chunk: i
 
 
 def paged_accesses(model: config_dict.ConfigDict, shape: Shape, tables: dict,
-                   starts: jax.Array, counts: jax.Array, chunk: int):
+                   starts: jax.Array, counts: jax.Array, chunk: int,
+                   spans: Optional[jax.Array] = None):
   """{type: `Paged`} and the query positions [R, T] for rows writing `counts` [R] tokens
   from positions `starts` [R] (a row's tokens past its count are padding: not written,
-  queried at its start)."""
+  queried at its start). spans [R, T]: image span ids of the tokens, bidirectional in
+  `bidirectional_span_types` (a span lies within one call)."""
   p = shape.page_size
   index = jnp.arange(chunk, dtype=jnp.int32)
   real = index < counts[:, None]
@@ -73,8 +77,14 @@ def paged_accesses(model: config_dict.ConfigDict, shape: Shape, tables: dict,
     pages = jnp.take_along_axis(table, jnp.clip(blocks, 0, m - 1), axis=1)
     keys = (blocks[:, :, None] * p + jnp.arange(p)).reshape(blocks.shape[0], -1)  # [R, W P]
     written = (keys < (starts + counts)[:, None]) & (keys < m * p)
+    q_spans = kv_spans = None
+    if spans is not None and kind in model.bidirectional_span_types:
+      offset = keys - starts[:, None]                       # the key's index in the call
+      q_spans = jnp.where(real, spans, 0)
+      kv_spans = jnp.where((offset >= 0) & (offset < counts[:, None]), jnp.take_along_axis(
+          q_spans, jnp.clip(offset, 0, chunk - 1), axis=1), 0)
     mask = attention_mask(queries, keys, jnp.ones_like(queries), written.astype(jnp.int32),
-                          window=window)
+                          window=window, q_spans=q_spans, kv_spans=kv_spans)
     accesses[kind] = Paged(mask, pages, slots)
   return accesses, queries
 
@@ -86,9 +96,13 @@ class PagedModel:
   def __init__(self, config: config_dict.ConfigDict, shape: Shape):
     self.decoding = decoding_lib.Decoding(config)
     self.model = self.decoding.model
+    unrolled = config_dict.ConfigDict(config.model.to_dict())
+    unrolled.scan_layers = False      # the layout the programs hold the parameters in
+    self._unrolled_model = config_dict.FrozenConfigDict(unrolled)
     self.shape = shape
     self.types = tuple(sorted(set(layer_types(self.model))))
     self.prefill = jax.jit(self._prefill, donate_argnames="pools")
+    self.soft = jax.jit(self._soft)
     self.decode = jax.jit(self._decode, donate_argnames=("pools", "counts"))
 
   def pools(self, params, cache_dtype: str) -> dict:
@@ -106,16 +120,26 @@ class PagedModel:
                                  layer)
     return pools
 
-  def _run(self, params, pools, tokens, starts, counts, tables):
+  def _run(self, params, pools, tokens, starts, counts, tables, soft_tokens=None):
+    spans = None
+    if soft_tokens is not None:
+      spans = vision.image_span_ids(tokens, self.model.vision.image_token_id)
     accesses, queries = paged_accesses(self.model, self.shape, tables, starts, counts,
-                                       tokens.shape[1])
+                                       tokens.shape[1], spans)
     return self.decoding.apply_with_cache(params, pools, tokens, queries,
-                                          jnp.ones_like(tokens), accesses)
+                                          jnp.ones_like(tokens), accesses,
+                                          soft_tokens=soft_tokens)
 
-  def _prefill(self, params, pools, tokens, starts, counts, tables):
+  def _prefill(self, params, pools, tokens, starts, counts, tables, soft_tokens=None):
     """Writes rows of prompt tokens [R, T] (`counts` [R] real, from `starts` [R]) into the
-    pools; no logits are computed."""
-    return self._run(params, pools, tokens, starts, counts, tables)[1]
+    pools; no logits are computed. soft_tokens [R, T, D]: the image placeholders'
+    embeddings (`towers.soft_embeddings`; a model with vision)."""
+    return self._run(params, pools, tokens, starts, counts, tables, soft_tokens)[1]
+
+  def _soft(self, params, tokens, images):
+    """A prompt's placeholder embeddings [max_length, D] from its images (tokens
+    [1, max_length])."""
+    return towers.soft_embeddings(self._unrolled_model, params["vision"], tokens, images)[0]
 
   def _decode(self, params, pools, tokens, positions, active, tables, options, prompt_seen,
               counts, seeds, indices):

@@ -16,12 +16,13 @@ from typing import Dict, Hashable, List, Optional, Sequence
 import numpy as np
 
 
-def block_keys(tokens: Sequence[int], page_size: int) -> List[bytes]:
+def block_keys(tokens: Sequence[int], page_size: int, salt: bytes = b"") -> List[bytes]:
   """The cache key of each full block of `tokens`: the SHA-256 of block b's tokens and
-  the key of block b - 1, so a key names the whole prefix up to its block's end. A
-  cryptographic digest, so that no prompt can be made to collide with another user's
+  the key of block b - 1 (of `salt` for block 0: what else the tokens mean, e.g. the
+  images of their placeholders), so a key names the whole prefix up to its block's end.
+  A cryptographic digest, so that no prompt can be made to collide with another user's
   prefix and read its cached keys and values."""
-  keys, key = [], b""
+  keys, key = [], salt
   for start in range(0, len(tokens) - page_size + 1, page_size):
     block = np.asarray(tokens[start:start + page_size], np.int64).tobytes()
     key = hashlib.sha256(key + block).digest()

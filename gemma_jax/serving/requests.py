@@ -61,7 +61,9 @@ class Request:
   texts that end it (the text up to the first one is emitted; needs the engine's
   detokenizer). seed: the same seed gives the same tokens whatever else runs (None: a
   fresh one). logprobs: also return the chosen token's log-probability and this many
-  top alternatives (0..MAX_LOGPROBS; None: none).
+  top alternatives (0..MAX_LOGPROBS; None: none). images: for a model with vision, the
+  prompt's images (files, PIL images or arrays), each filling the prompt's next image
+  marker, or placed after its BOS when it has none (`towers.prompts_with_images`).
   """
   prompt: Tuple[int, ...]
   max_tokens: int
@@ -70,6 +72,7 @@ class Request:
   stop_strings: Tuple[str, ...] = ()
   seed: Optional[int] = None
   logprobs: Optional[int] = None
+  images: Tuple = dataclasses.field(default=(), compare=False)
 
   def check(self, vocab_size: int, max_length: int) -> None:
     """Raises ValueError naming the first field out of range for a model of `vocab_size`

@@ -9,7 +9,7 @@ lets go of the blocks behind its window.
 
 import dataclasses
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from gemma_jax.serving.pages import PagePool, block_keys
 from gemma_jax.serving.requests import Request
@@ -29,6 +29,9 @@ class Sequence:
   filled: int = 0
   slot: Optional[int] = None
   blocks: Dict[str, List[Optional[int]]] = dataclasses.field(default_factory=dict)
+  images: Any = None        # the model's images of the prompt's placeholders, batch of 1
+  salt: bytes = b""         # what its prefix keys add to its tokens (a digest of images)
+  soft: Any = None          # [max_length + chunk, D] placeholder embeddings, once admitted
   submitted: float = dataclasses.field(default_factory=time.monotonic)
   admitted: float = 0.0
   first_token: Optional[float] = None
@@ -55,7 +58,7 @@ class Pages:
   def reuse_prefix(self, seq: Sequence) -> int:
     """Lists the cached pages of the longest prefix of seq's tokens (all but the last)
     whose blocks every type holds: the positions now filled."""
-    keys = block_keys(seq.tokens[:-1], self.page_size)
+    keys = block_keys(seq.tokens[:-1], self.page_size, seq.salt)
     k = 0
     while k < len(keys) and all(pool.lookup(keys[k]) is not None
                                 for kind, pool in self.pools.items() if kind != "local"):
@@ -98,7 +101,7 @@ class Pages:
 
   def cache_full_blocks(self, seq: Sequence) -> None:
     """Offers seq's full, written blocks to the prefix cache."""
-    keys = block_keys(seq.tokens[:seq.filled], self.page_size)
+    keys = block_keys(seq.tokens[:seq.filled], self.page_size, seq.salt)
     for kind, pool in self.pools.items():
       for b, key in enumerate(keys):
         if b < len(seq.blocks[kind]) and seq.blocks[kind][b] is not None:
