@@ -348,3 +348,23 @@ def test_prompts_with_images_decode_as_the_full_forward(preset, prefill_chunk):
   before = engine.metrics()["prefix_tokens_reused"]
   engine.generate([other])
   assert engine.metrics()["prefix_tokens_reused"] == before
+
+
+def test_a_failing_step_ends_every_request_with_an_error_and_refuses_more():
+  """A step that raises on the engine's thread: waiting and running requests end with
+  finish "error" (no client waits forever), and a later submit is one RuntimeError."""
+  config, params = model_of("gemma3")
+  engine = Engine(config, params, num_slots=1, page_size=4, max_length=16)
+  outputs = [[], []]
+
+  def broken():
+    raise FloatingPointError("a broken step")
+
+  engine.step = broken
+  for i in range(2):
+    engine.submit(Request(prompt=(1, 2), max_tokens=2, sampling=GREEDY), outputs[i].append)
+  engine.start()
+  engine._thread.join(timeout=30)
+  assert [o[-1].finish for o in outputs] == ["error", "error"]
+  with pytest.raises(RuntimeError, match="FloatingPointError: a broken step"):
+    engine.submit(Request(prompt=(1, 2), max_tokens=2), lambda output: None)

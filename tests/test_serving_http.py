@@ -345,3 +345,24 @@ def test_a_chat_with_an_image_url_is_the_full_forward_with_that_image():
                                          messages=[{"role": "user", "content": bad}])
   finally:
     engine.shutdown(grace_seconds=5)
+
+
+def test_an_engine_that_fails_answers_500_not_silence(model):
+  """The engine's thread raising mid-request: the waiting client gets a 500 naming the
+  server's error, and later requests are refused the same way."""
+  engine = engine_lib.Engine(*model, tokenizer=TOKENIZER, num_slots=1, page_size=4,
+                             max_length=MAX_LENGTH)
+
+  def broken():
+    raise FloatingPointError("a broken step")
+
+  engine.step = broken
+  engine.start()
+  try:
+    with serving(server.make_app(engine, TOKENIZER, model_name=MODEL)) as url:
+      with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0) as failing:
+        for _ in range(2):
+          with pytest.raises(openai.InternalServerError):
+            failing.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+  finally:
+    engine.shutdown(grace_seconds=1)

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence as Seq
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -104,6 +105,7 @@ class Engine:
     self._lock = threading.Condition()
     self._thread: Optional[threading.Thread] = None
     self._admitting, self._stopping = True, False
+    self.failure: Optional[str] = None    # what stopped the engine thread, if anything
     self.stats = collections.Counter()
     self._started = time.monotonic()
     self._ttft_sum = 0.0   # seconds from submission to first token, summed over requests
@@ -151,6 +153,8 @@ class Engine:
     else:
       images_lib.check_text(tokens, self._model)
     with self._lock:
+      if self.failure:
+        raise RuntimeError(f"the serving engine stopped: {self.failure}")
       if not self._admitting or len(self._queue) >= self.max_queue:
         raise QueueFull(f"{len(self._queue)} requests wait (max_queue={self.max_queue})"
                         if self._admitting else "the engine is shutting down")
@@ -231,7 +235,22 @@ class Engine:
           self._lock.wait()
         if self._stopping:
           return
-      self.step()
+      try:
+        self.step()
+      except Exception as error:   # pylint: disable=broad-except
+        self._fail(error)
+        return
+
+  def _fail(self, error: Exception) -> None:
+    """The engine thread's step raised: every request ends with finish "error", and
+    the engine takes no more (submit raises RuntimeError naming the error)."""
+    logging.exception("the serving engine stopped: %s", error)
+    with self._lock:
+      self.failure = f"{type(error).__name__}: {error}"
+      self._admitting = False
+      for seq in list(itertools.chain(self._queue, self._running)):
+        self._finish(seq, Output(None, finish="error"))
+      self._cancelled.clear()
 
   # ------------------------------------------------------------------ one step
 

@@ -107,8 +107,8 @@ class Output:
   token: the new token id (None on a finish without one: cancelled, or a stop string
   inside earlier tokens). text: the text this step adds (with a detokenizer; "" else).
   logprob: the token's log-probability; top: [(id, log-probability)] alternatives,
-  likeliest first (with `logprobs`). finish: None while running; "stop", "length" or
-  "cancelled" on the last output.
+  likeliest first (with `logprobs`). finish: None while running; "stop", "length",
+  "cancelled" or "error" (the engine failed, see `Engine.failure`) on the last output.
   """
   token: Optional[int]
   text: str = ""

@@ -294,6 +294,9 @@ async def _answer(http_request: fastapi.Request, call: openai_api.Call, generati
   choices = await _until_disconnected(http_request, collect())
   if choices is None:
     return responses.Response(status_code=499)   # nobody is there to read it
+  if any(choice.finish == "error" for choice in choices):
+    raise openai_api.ApiError(500, "the serving engine failed; see the server's log",
+                              kind="server_error")
   return dict(head, choices=[choice_json(i, c) for i, c in enumerate(choices)],
               usage=openai_api.usage(call, choices))
 
