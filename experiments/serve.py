@@ -44,6 +44,11 @@ _NUM_PAGES = flags.DEFINE_integer("num_pages", None, "KV cache pages shared by t
                                   "default: enough for every slot's full --max_length.")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", 64, "Prompt tokens a request has "
                                       "computed per engine step, between decode steps.")
+_PREFILL_ROWS = flags.DEFINE_integer("prefill_rows", 1, "Requests whose prompt chunks one "
+                                     "engine step computes together.")
+_LOCAL_CACHE_PAGES = flags.DEFINE_integer("local_cache_pages", 0, "Pages the sliding-window "
+                                          "layers' pool adds to keep cached prefixes' windows "
+                                          "(a prefix is reused only while they are kept).")
 _MAX_LENGTH = flags.DEFINE_integer("max_length", 1024, "Positions per request (prompt and "
                                    "output), within the model's position table if it has one.")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "Requests waiting for a slot at most; "
@@ -107,7 +112,8 @@ def main(argv):
     engine = engine_lib.Engine(
         config, params, tokenizer=tokenizer, num_slots=_NUM_SLOTS.value,
         page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
-        prefill_chunk=_PREFILL_CHUNK.value, max_length=_MAX_LENGTH.value,
+        prefill_chunk=_PREFILL_CHUNK.value, prefill_rows=_PREFILL_ROWS.value,
+        local_cache_pages=_LOCAL_CACHE_PAGES.value, max_length=_MAX_LENGTH.value,
         max_queue=_MAX_QUEUE.value, cache_dtype=_CACHE_DTYPE.value, mesh=_mesh(config))
   except (gj.ConfigError, ValueError, OSError) as error:   # WorkdirError, CheckpointError too
     sys.exit(f"serve.py: error: {error}")

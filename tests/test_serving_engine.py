@@ -111,7 +111,8 @@ def test_shared_prefixes_reuse_pages_and_decode_the_same():
   """A conversation's later turns and a common system prompt: the later requests find
   the earlier ones' full pages (local layers' too) and prefill only the rest."""
   config, params = model_of("gemma3")
-  engine = Engine(config, params, num_slots=2, page_size=4, prefill_chunk=4, max_length=48)
+  engine = Engine(config, params, num_slots=2, page_size=4, prefill_chunk=4, max_length=48,
+                  local_cache_pages=8)
   system = prompts(2, [18])[0]
   first = [Request(prompt=system + (5, 6), max_tokens=4, sampling=GREEDY)]
   outputs = engine.generate(first)
@@ -321,7 +322,7 @@ def test_prompts_with_images_decode_as_the_full_forward(preset, prefill_chunk):
               Request(prompt=(2, 41, 43), max_tokens=5, sampling=GREEDY, images=(third,),
                       logprobs=3)]
   engine = Engine(config, params, num_slots=2, page_size=4, prefill_chunk=prefill_chunk,
-                  max_length=96)
+                  max_length=96, local_cache_pages=8)
   outputs = engine.generate(requests)
   apply = jax.jit(gj.transform(config).apply)
   for request, got in zip(requests, outputs):

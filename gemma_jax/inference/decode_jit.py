@@ -42,4 +42,6 @@ def jit(fn, **jit_kwargs):
     return call(lambda f: f, args, kwargs)
 
   jitted.lower = lambda *args, **kwargs: call(lambda f: f.lower, args, kwargs)
+  # Programs compiled so far, with or without the options (tests count compiles).
+  jitted._cache_size = lambda: with_options._cache_size() + plain._cache_size()  # pylint: disable=protected-access
   return jitted

@@ -48,9 +48,11 @@ class Engine:
     tokenizer: decodes output text and stop strings (None: token ids only).
     num_slots: S, requests decoded together.
     page_size: P, tokens a page.
-    num_pages: pages of the global pool (default: enough for every slot's full context);
-      local pools get what every slot's window and a chunk need, plus as many again
-      for cached prefixes.
+    num_pages: pages of the global pool (default: enough for every slot's full context;
+      fewer: requests share them, preempted when they run out); the local pool gets
+      every slot's window and a chunk more for each prefilling request, plus
+      `local_cache_pages`. Pages no request holds keep cached prefixes until needed (a
+      prefix is reused only while its last window's local pages are kept).
     prefill_chunk, prefill_rows: prompt tokens a prefill call writes per request, and
       requests it writes.
     max_length: positions a sequence may take (prompt plus output).
@@ -66,7 +68,8 @@ class Engine:
                num_slots: int = 8, page_size: int = 16, num_pages: Optional[int] = None,
                prefill_chunk: int = 64, prefill_rows: int = 1, max_length: int = 1024,
                max_queue: int = 256, cache_dtype: Optional[str] = None,
-               top_k_limit: int = 64, mesh: Optional[Mesh] = None):
+               top_k_limit: int = 64, mesh: Optional[Mesh] = None,
+               local_cache_pages: int = 0):
     model = self._model = config.model
     self._check(model, num_slots, page_size, num_pages, prefill_chunk, prefill_rows,
                 max_length, max_queue, top_k_limit)
@@ -74,13 +77,12 @@ class Engine:
     self.max_queue, self.top_k_limit = max_queue, min(top_k_limit, model.vocab_size)
     max_blocks = -(-max_length // page_size)
     kinds = sorted(set(decoding_lib.layer_types(model)))
-    sizes = {}
-    for kind in kinds:
-      if kind == "local":
-        shape = paged_model.Shape(page_size, {}, max_blocks, 0, 0, 0, 0, 0)
-        sizes[kind] = 2 * num_slots * (paged_model.view_blocks(model, kind, shape, prefill_chunk) + 1)
-      else:
-        sizes[kind] = num_pages or num_slots * max_blocks
+    sizes = {kind: num_pages or num_slots * max_blocks for kind in kinds}
+    if "local" in kinds:   # every slot's window, and a chunk more for each prefilling row
+      shape = paged_model.Shape(page_size, {}, max_blocks, 0, 0, 0, 0, 0)
+      window, chunk = (paged_model.view_blocks(model, "local", shape, n)
+                       for n in (1, prefill_chunk))
+      sizes["local"] = num_slots * window + prefill_rows * (chunk - window) + local_cache_pages
     self.shape = paged_model.Shape(page_size, sizes, max_blocks, num_slots, prefill_rows,
                                    prefill_chunk, self.top_k_limit, MAX_LOGPROBS)
     self.programs = paged_model.PagedModel(config, self.shape)
@@ -192,10 +194,11 @@ class Engine:
     """Counts and rates for monitoring."""
     with self._lock:
       in_use = sum(pool.in_use for pool in self.pages.pools.values())
+      cached = sum(pool.cached_only for pool in self.pages.pools.values())
       total = sum(pool.num_pages for pool in self.pages.pools.values())
       elapsed = max(time.monotonic() - self._started, 1e-9)
       return {"queued": len(self._queue), "running": len(self._running),
-              "pages_in_use": in_use, "pages_total": total,
+              "pages_in_use": in_use, "pages_cached": cached, "pages_total": total,
               "tokens_per_second": self.stats["generated_tokens"] / elapsed,
               "time_to_first_token_seconds": self._ttft_sum / max(self.stats["first_tokens"], 1),
               "requests_finished": self.stats["requests_finished"],
@@ -337,8 +340,8 @@ class Engine:
 
   def _tables(self, rows: List[Optional[Sequence]]) -> dict:
     m = self.shape.max_blocks
-    return {kind: jnp.asarray([self.pages.table_row(s, kind, m) if s else [0] * m
-                               for s in rows], jnp.int32) for kind in self.pages.pools}
+    return {kind: np.asarray([self.pages.table_row(s, kind, m) if s else [0] * m
+                              for s in rows], np.int32) for kind in self.pages.pools}
 
   def _prefill(self, prefilling: List[Sequence]) -> None:
     c, rows = self.shape.prefill_chunk, self.shape.prefill_rows
@@ -363,6 +366,7 @@ class Engine:
     for seq, end in chunks:
       seq.filled = end
       self.pages.cache_full_blocks(seq)
+      self.pages.release_behind(seq, seq.filled)
 
   def _decode(self, decoding: List[Sequence]) -> None:
     for seq in decoding:
@@ -392,6 +396,7 @@ class Engine:
     seq.tokens.append(token)
     seq.generated += 1
     self.pages.cache_full_blocks(seq)
+    self.pages.release_behind(seq, seq.filled)
     self.stats["generated_tokens"] += 1
     if seq.first_token is None:
       seq.first_token = time.monotonic()

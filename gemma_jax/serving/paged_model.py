@@ -25,6 +25,7 @@ from ml_collections import config_dict
 
 from gemma_jax import sharding
 from gemma_jax.decoder import layer_types
+from gemma_jax.inference import decode_jit
 from gemma_jax.inference import decoding as decoding_lib
 from gemma_jax.layers.attention import attention_mask
 from gemma_jax.layers.cache_access import Paged
@@ -101,9 +102,10 @@ class PagedModel:
     self._unrolled_model = config_dict.FrozenConfigDict(unrolled)
     self.shape = shape
     self.types = tuple(sorted(set(layer_types(self.model))))
-    self.prefill = jax.jit(self._prefill, donate_argnames="pools")
+    # decode_jit: on a CPU, without the rewrite that costs small reductions a kernel more
+    self.prefill = decode_jit.jit(self._prefill, donate_argnames="pools")
     self.soft = jax.jit(self._soft)
-    self.decode = jax.jit(self._decode, donate_argnames=("pools", "counts"))
+    self.decode = decode_jit.jit(self._decode, donate_argnames=("pools", "counts"))
 
   def pools(self, params, cache_dtype: str) -> dict:
     """Zeroed pools for every layer that keeps keys and values: the "cache" collection,

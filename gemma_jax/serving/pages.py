@@ -39,16 +39,22 @@ class PagePool:
     self._free = list(range(num_pages - 1, -1, -1))  # a stack: the last freed is reused first
     self._cached: "collections.OrderedDict[Hashable, int]" = collections.OrderedDict()
     self._key_of: Dict[int, Hashable] = {}
+    self._cached_only = 0                            # cached pages no sequence holds
 
   @property
   def available(self) -> int:
     """Pages an allocation may take: free, or held by the cache alone."""
-    return len(self._free) + sum(1 for page in self._cached.values() if not self._holders[page])
+    return len(self._free) + self._cached_only
 
   @property
   def in_use(self) -> int:
-    """Pages held by a sequence or the cache."""
-    return self.num_pages - len(self._free)
+    """Pages held by a sequence."""
+    return self.num_pages - len(self._free) - self._cached_only
+
+  @property
+  def cached_only(self) -> int:
+    """Pages only the prefix cache holds (evictable)."""
+    return self._cached_only
 
   def allocate(self) -> Optional[int]:
     """A page for a sequence (held once), or None when every page is held."""
@@ -57,6 +63,7 @@ class PagePool:
         if not self._holders[page]:
           del self._cached[key], self._key_of[page]
           self._free.append(page)
+          self._cached_only -= 1
           break
     if not self._free:
       return None
@@ -66,6 +73,8 @@ class PagePool:
 
   def hold(self, page: int) -> None:
     """One more sequence holds `page` (a cached prefix page it now lists)."""
+    if not self._holders[page] and page in self._key_of:
+      self._cached_only -= 1
     self._holders[page] += 1
 
   def release(self, page: int) -> None:
@@ -73,8 +82,11 @@ class PagePool:
     self._holders[page] -= 1
     if self._holders[page] < 0:
       raise RuntimeError(f"page {page} released more often than held")
-    if not self._holders[page] and page not in self._key_of:
-      self._free.append(page)
+    if not self._holders[page]:
+      if page in self._key_of:
+        self._cached_only += 1
+      else:
+        self._free.append(page)
 
   def lookup(self, key: Hashable) -> Optional[int]:
     """The cached page of the block `key` names (marked recently used), or None."""
@@ -89,3 +101,5 @@ class PagePool:
       return
     self._cached[key] = page
     self._key_of[page] = key
+    if not self._holders[page]:
+      self._cached_only += 1

@@ -86,18 +86,25 @@ class Pages:
     go); False, with nothing taken, when a pool runs out."""
     if not self.fits(seq, start, end):
       return False
+    self.release_behind(seq, start)
     for kind, pool in self.pools.items():
       blocks = seq.blocks[kind]
       needed = self._needed(kind, start, end)
-      for b in range(min(needed.start, len(blocks))):
-        if blocks[b] is not None:
-          pool.release(blocks[b])
-          blocks[b] = None
       blocks.extend([None] * (needed.stop - len(blocks)))
       for b in needed:
         if blocks[b] is None:
           blocks[b] = pool.allocate()
     return True
+
+  def release_behind(self, seq: Sequence, position: int) -> None:
+    """Lets go of the blocks a query at `position` no longer reads (local ones behind its
+    window)."""
+    for kind, pool in self.pools.items():
+      blocks = seq.blocks[kind]
+      for b in range(min(self._needed(kind, position, position).start, len(blocks))):
+        if blocks[b] is not None:
+          pool.release(blocks[b])
+          blocks[b] = None
 
   def cache_full_blocks(self, seq: Sequence) -> None:
     """Offers seq's full, written blocks to the prefix cache."""
