@@ -9,7 +9,8 @@ are free (a prompt's cached prefix reused, `pages`); up to `prefill_rows` prefil
 requests write their next `prefill_chunk` prompt tokens; then every decoding slot
 decodes one token together (`paged_model`). When pages run out, the request admitted
 last is preempted: its pages freed, it waits at the queue's head with what it has
-generated, and resumes by recomputing them. Every program compiles once.
+generated, and resumes by recomputing them. The decode step compiles once, the prefill
+once per power of two of rows up to `prefill_rows` (one program with the default 1).
 
 Dims: S slots, V vocab, M blocks a sequence.
 """
@@ -309,16 +310,16 @@ class Engine:
       soft = self.programs.soft(self.params, tokens, seq.images)
     seq.soft = jnp.pad(soft, ((0, self.shape.prefill_chunk), (0, 0)))
 
-  def _chunk_soft_tokens(self, chunks) -> Optional[jax.Array]:
-    """[rows, chunk, D] placeholder embeddings of the chunks (zeros for text), or None
-    for a model without vision."""
+  def _chunk_soft_tokens(self, chunks, rows: int) -> Optional[jax.Array]:
+    """[rows, chunk, D] placeholder embeddings of the chunks (zeros for text and padding
+    rows), or None for a model without vision."""
     if not self._model.vision.enabled:
       return None
     c, d = self.shape.prefill_chunk, self._model.d_model
-    rows = [jax.lax.dynamic_slice_in_dim(seq.soft, seq.filled, c) if seq.soft is not None
+    soft = [jax.lax.dynamic_slice_in_dim(seq.soft, seq.filled, c) if seq.soft is not None
             else jnp.zeros((c, d), jnp.dtype(self._model.dtype)) for seq, _ in chunks]
-    rows += [jnp.zeros((c, d), jnp.dtype(self._model.dtype))] * (self.shape.prefill_rows - len(rows))
-    return jnp.stack(rows)
+    padding = [jnp.zeros((c, d), jnp.dtype(self._model.dtype))] * (rows - len(chunks))
+    return jnp.stack(soft + padding)
 
   def _room(self, seq: Sequence, end: int) -> bool:
     """Pages for seq's positions up to `end`, preempting the requests admitted after it
@@ -344,7 +345,7 @@ class Engine:
                               for s in rows], np.int32) for kind in self.pages.pools}
 
   def _prefill(self, prefilling: List[Sequence]) -> None:
-    c, rows = self.shape.prefill_chunk, self.shape.prefill_rows
+    c = self.shape.prefill_chunk
     chunks = []
     for seq in prefilling:   # a row may lose its slot to the room an earlier one needs
       end = images_lib.chunk_end(seq.tokens, seq.filled,
@@ -354,6 +355,9 @@ class Engine:
     chunks = [(seq, end) for seq, end in chunks if seq.slot is not None]
     if not chunks:
       return
+    # Rows for the chunks at hand, a power of two (at most prefill_rows): a prefill call
+    # computes every row it is given, padding ones too.
+    rows = min(1 << (len(chunks) - 1).bit_length(), self.shape.prefill_rows)
     tokens = np.zeros((rows, c), np.int32)
     starts, counts = np.zeros((rows,), np.int32), np.zeros((rows,), np.int32)
     for r, (seq, end) in enumerate(chunks):
@@ -362,7 +366,7 @@ class Engine:
     table_rows = [seq for seq, _ in chunks] + [None] * (rows - len(chunks))
     self._pools = self.programs.prefill(self.params, self._pools, tokens, starts, counts,
                                         self._tables(table_rows),
-                                        self._chunk_soft_tokens(chunks))
+                                        self._chunk_soft_tokens(chunks, rows))
     for seq, end in chunks:
       seq.filled = end
       self.pages.cache_full_blocks(seq)
