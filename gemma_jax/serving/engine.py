@@ -80,8 +80,7 @@ class Engine:
     kinds = sorted(set(decoding_lib.layer_types(model)))
     sizes = {kind: num_pages or num_slots * max_blocks for kind in kinds}
     if "local" in kinds:   # every slot's window, and a chunk more for each prefilling row
-      shape = paged_model.Shape(page_size, {}, max_blocks, 0, 0, 0, 0, 0)
-      window, chunk = (paged_model.view_blocks(model, "local", shape, n)
+      window, chunk = (paged_model.view_blocks(model, "local", page_size, max_blocks, n)
                        for n in (1, prefill_chunk))
       sizes["local"] = num_slots * window + prefill_rows * (chunk - window) + local_cache_pages
     self.shape = paged_model.Shape(page_size, sizes, max_blocks, num_slots, prefill_rows,
@@ -351,8 +350,7 @@ class Engine:
       end = images_lib.chunk_end(seq.tokens, seq.filled,
                                  min(seq.filled + c, len(seq.tokens) - 1), self._model)
       if seq.slot is not None and self._room(seq, end):
-        chunks.append((seq, end))
-    chunks = [(seq, end) for seq, end in chunks if seq.slot is not None]
+        chunks.append((seq, end))   # rooms preempt only later rows: it keeps its slot
     if not chunks:
       return
     # Rows for the chunks at hand, a power of two (at most prefill_rows): a prefill call
@@ -376,9 +374,10 @@ class Engine:
     for seq in decoding:
       if seq.slot is not None:   # not preempted for a request admitted before it
         self._room(seq, seq.filled + 1)
-    rows = self._slots
+    rows = list(self._slots)   # _emit frees the slots of the requests it finishes
     active = [s is not None and not s.prefilling for s in rows]
-    s_count = self.shape.num_slots
+    if not any(active):
+      return
     tokens = np.array([s.tokens[-1] if a else 0 for s, a in zip(rows, active)], np.int32)
     positions = np.array([s.filled if a else 0 for s, a in zip(rows, active)], np.int32)
     seeds = np.array([s.seed if a else 0 for s, a in zip(rows, active)], np.uint32)
@@ -388,10 +387,10 @@ class Engine:
     choice, self._pools, self._counts = self.programs.decode(
         self.params, self._pools, tokens, positions, np.asarray(active), self._tables(rows),
         options, self._seen, self._counts, seeds, indices)
-    choice = jax.device_get(choice)
-    for slot in range(s_count):
+    choice = jax.device_get(choice)   # the one host sync of a step: the new tokens
+    for slot, seq in enumerate(rows):
       if active[slot]:
-        self._emit(rows[slot], choice, slot)
+        self._emit(seq, choice, slot)
 
   def _emit(self, seq: Sequence, choice: sampling.Choice, slot: int) -> None:
     """seq's new token: recorded, sent out, and the request finished where it ends."""

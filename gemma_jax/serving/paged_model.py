@@ -48,12 +48,13 @@ class Shape(NamedTuple):
   num_logprobs: int
 
 
-def view_blocks(model: config_dict.ConfigDict, kind: str, shape: Shape, chunk: int) -> int:
+def view_blocks(model: config_dict.ConfigDict, kind: str, page_size: int, max_blocks: int,
+                chunk: int) -> int:
   """W, the blocks a row of `chunk` tokens attends over in a layer of type `kind`."""
   if kind != "local":
-    return shape.max_blocks
-  reach = -(-(model.sliding_window + chunk - 1) // shape.page_size) + 1
-  return min(reach, shape.max_blocks)
+    return max_blocks
+  reach = -(-(model.sliding_window + chunk - 1) // page_size) + 1
+  return min(reach, max_blocks)
 
 
 def paged_accesses(model: config_dict.ConfigDict, shape: Shape, tables: dict,
@@ -74,7 +75,8 @@ def paged_accesses(model: config_dict.ConfigDict, shape: Shape, tables: dict,
     page = jnp.take_along_axis(table, jnp.clip(new // p, 0, m - 1), axis=1)
     slots = jnp.where(real, page * p + new % p, shape.num_pages[kind] * p)
     first = jnp.maximum(starts - window + 1, 0) // p if window else jnp.zeros_like(starts)
-    blocks = first[:, None] + jnp.arange(view_blocks(model, kind, shape, chunk))   # [R, W]
+    blocks = first[:, None] + jnp.arange(
+        view_blocks(model, kind, p, shape.max_blocks, chunk))   # [R, W]
     pages = jnp.take_along_axis(table, jnp.clip(blocks, 0, m - 1), axis=1)
     keys = (blocks[:, :, None] * p + jnp.arange(p)).reshape(blocks.shape[0], -1)  # [R, W P]
     written = (keys < (starts + counts)[:, None]) & (keys < m * p)

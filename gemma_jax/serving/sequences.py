@@ -32,6 +32,8 @@ class Sequence:
   images: Any = None        # the model's images of the prompt's placeholders, batch of 1
   salt: bytes = b""         # what its prefix keys add to its tokens (a digest of images)
   soft: Any = None          # [max_length + chunk, D] placeholder embeddings, once admitted
+  keys: List[bytes] = dataclasses.field(default_factory=list)   # its full blocks' keys
+  offered: int = 0          # leading full blocks already offered to the prefix cache
   submitted: float = dataclasses.field(default_factory=time.monotonic)
   admitted: float = 0.0
   first_token: Optional[float] = None
@@ -55,10 +57,19 @@ class Pages:
     first = max(start - self.window + 1, 0) if kind == "local" else 0
     return range(first // self.page_size, -(-end // self.page_size))
 
+  def _keys(self, seq: Sequence, length: int) -> List[bytes]:
+    """The prefix cache's keys of the full blocks of seq's first `length` tokens, each
+    computed once (a sequence's tokens only grow)."""
+    done, p = len(seq.keys), self.page_size
+    if length // p > done:
+      seq.keys += block_keys(seq.tokens[done * p:length], p,
+                             seq.keys[-1] if seq.keys else seq.salt)
+    return seq.keys[:length // p]
+
   def reuse_prefix(self, seq: Sequence) -> int:
     """Lists the cached pages of the longest prefix of seq's tokens (all but the last)
     whose blocks every type holds: the positions now filled."""
-    keys = block_keys(seq.tokens[:-1], self.page_size, seq.salt)
+    keys = self._keys(seq, len(seq.tokens) - 1)
     k = 0
     while k < len(keys) and all(pool.lookup(keys[k]) is not None
                                 for kind, pool in self.pools.items() if kind != "local"):
@@ -73,6 +84,7 @@ class Pages:
         page = pool.lookup(keys[b])
         pool.hold(page)
         seq.blocks[kind][b] = page
+    seq.offered = k
     return k * self.page_size
 
   def fits(self, seq: Sequence, start: int, end: int) -> bool:
@@ -107,12 +119,13 @@ class Pages:
           blocks[b] = None
 
   def cache_full_blocks(self, seq: Sequence) -> None:
-    """Offers seq's full, written blocks to the prefix cache."""
-    keys = block_keys(seq.tokens[:seq.filled], self.page_size, seq.salt)
+    """Offers seq's full, written blocks not offered yet to the prefix cache."""
+    keys = self._keys(seq, seq.filled)
     for kind, pool in self.pools.items():
-      for b, key in enumerate(keys):
-        if b < len(seq.blocks[kind]) and seq.blocks[kind][b] is not None:
-          pool.cache(key, seq.blocks[kind][b])
+      for b in range(seq.offered, len(keys)):
+        if seq.blocks[kind][b] is not None:
+          pool.cache(keys[b], seq.blocks[kind][b])
+    seq.offered = len(keys)
 
   def release(self, seq: Sequence) -> None:
     """Lets go of every page seq holds."""
